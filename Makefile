@@ -1,0 +1,32 @@
+# The test command installs everything it needs from nothing: python3 and pip are enough.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint install
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev,numba,cuda]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m leanstate demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not cudasim"
+	# CUDA-simulator tests: the variable must be set before numba is imported.
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+bench: $(STAMP)
+	$(BIN)/python -m leanstate bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

@@ -1,0 +1,64 @@
+"""Command line: ``python -m leanstate {demo,info}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import leanstate
+from leanstate.reference.row_format import header_words, unpack_metadata
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Fill a store, read it back, evict, and report rows and memory."""
+    rows, dim = args.rows, args.dim
+    store = leanstate.KVStore(dim, optimizer_state_dim=1, num_shards=8, seed=0)
+    print(store)
+    print(f"backend: {store.backend}; row width {store.layout.width} elements = {store.layout.row_bytes} bytes")
+    ids = torch.arange(rows, dtype=torch.int64) * 7919  # spread-out ids
+    step = max(1, rows // 10)
+    for start in range(0, rows, step):
+        chunk = ids[start : start + step]
+        values = torch.full((len(chunk), dim), 0.5) + chunk.unsqueeze(1).float() * 1e-6
+        store.set(chunk, values)
+        print(f"  filled {min(start + step, rows):>8}/{rows} rows", flush=True)
+    sample = ids[:3]
+    print("first weights of ids", sample.tolist())
+    print(store.get(sample, width=4))
+    header = header_words(store.get_rows(sample))
+    stamp, count, used = unpack_metadata(header[:, 1])
+    for key, t, c, u in zip(header[:, 0].tolist(), stamp.tolist(), count.tolist(), used.tolist()):
+        print(f"  header of {key}: timestamp={t} count={c} used={u}")
+    missing = torch.tensor([1, -1])
+    print("a missing id reads its initial row, a negative id zeros:")
+    print(store.get(missing, width=4), "inserted:", store.contains(missing).tolist())
+    print(f"rows: {len(store)}, memory: {store.memory_bytes() / 2**20:.1f} MiB "
+          f"({store.memory_bytes() / len(store):.0f} bytes/row for {store.layout.row_bytes}-byte rows)")
+    store.set(ids[: rows // 4], store.get(ids[: rows // 4], width=dim))  # touch a quarter again
+    evicted = store.evict(max_rows=rows // 2)
+    print(f"evict(max_rows={rows // 2}) removed {len(evicted)} rows, least-used first; {len(store)} remain")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    print(leanstate.backend_info())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m leanstate`` and the ``leanstate`` script."""
+    parser = argparse.ArgumentParser(prog="leanstate", description=leanstate.__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run a short store scenario on built-in data")
+    demo.add_argument("--rows", type=int, default=100_000)
+    demo.add_argument("--dim", type=int, default=128)
+    demo.set_defaults(run=_demo)
+    commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
