@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 import leanstate
+import torch
 from leanstate.reference.row_format import header_words, unpack_metadata
 
 
@@ -16,7 +15,9 @@ def _demo(args: argparse.Namespace) -> int:
     rows, dim = args.rows, args.dim
     store = leanstate.KVStore(dim, optimizer_state_dim=1, num_shards=8, seed=0)
     print(store)
-    print(f"backend: {store.backend}; row width {store.layout.width} elements = {store.layout.row_bytes} bytes")
+    print(
+        f"backend: {store.backend}; row width {store.layout.width} elements = {store.layout.row_bytes} bytes"
+    )
     ids = torch.arange(rows, dtype=torch.int64) * 7919  # spread-out ids
     step = max(1, rows // 10)
     for start in range(0, rows, step):
@@ -34,8 +35,10 @@ def _demo(args: argparse.Namespace) -> int:
     missing = torch.tensor([1, -1])
     print("a missing id reads its initial row, a negative id zeros:")
     print(store.get(missing, width=4), "inserted:", store.contains(missing).tolist())
-    print(f"rows: {len(store)}, memory: {store.memory_bytes() / 2**20:.1f} MiB "
-          f"({store.memory_bytes() / len(store):.0f} bytes/row for {store.layout.row_bytes}-byte rows)")
+    print(
+        f"rows: {len(store)}, memory: {store.memory_bytes() / 2**20:.1f} MiB "
+        f"({store.memory_bytes() / len(store):.0f} bytes/row for {store.layout.row_bytes}-byte rows)"
+    )
     store.set(ids[: rows // 4], store.get(ids[: rows // 4], width=dim))  # touch a quarter again
     evicted = store.evict(max_rows=rows // 2)
     print(f"evict(max_rows={rows // 2}) removed {len(evicted)} rows, least-used first; {len(store)} remain")

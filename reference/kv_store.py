@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-
 from leanstate.reference.hashing import initial_weights, shards_of
 from leanstate.reference.row_format import (
     COUNT_MAX,
@@ -206,7 +205,14 @@ class KVStore:
         return width
 
     def _check_values(
-        self, method: str, argument: str, values: object, rows: int | None, width: int, *, exact: bool = False
+        self,
+        method: str,
+        argument: str,
+        values: object,
+        rows: int | None,
+        width: int,
+        *,
+        exact: bool = False,
     ) -> None:
         """``values`` must be a 2-D tensor of the store's dtype, ``rows`` x (<= or ==) ``width``."""
         if not isinstance(values, torch.Tensor):
@@ -224,8 +230,7 @@ class KVStore:
             or (exact and values.shape[1] != width)
         ):
             raise ValueError(
-                f"{method}: {argument} must have shape [{want_rows}, {want_width}]; "
-                f"got {tuple(values.shape)}"
+                f"{method}: {argument} must have shape [{want_rows}, {want_width}]; got {tuple(values.shape)}"
             )
 
     # -- helpers -------------------------------------------------------------------
@@ -417,7 +422,11 @@ class KVStore:
         Then, while more than ``max_rows`` rows remain, the rows with the lowest count go
         first, ties broken by oldest timestamp, then smallest id.
         """
-        for name, value in (("min_count", min_count), ("max_age_s", max_age_s), ("max_rows", max_rows)):
+        for name, value in (
+            ("min_count", min_count),
+            ("max_age_s", max_age_s),
+            ("max_rows", max_rows),
+        ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"KVStore.evict: {name} must be an int >= 0 or None; got {value!r}")
         if min_l2_norm is not None and not min_l2_norm >= 0:

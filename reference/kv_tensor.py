@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import torch
-
 from leanstate.reference.kv_store import KVStore
 
 DEFAULT_CHUNK_ROWS = 8192
@@ -138,7 +137,9 @@ class KVTensor:
             self.ignored_writes += n
             return
         if values.dim() != 2 or values.shape[1] != self.width:
-            raise ValueError(f"KVTensor.set_range: values must have width {self.width}; got {tuple(values.shape)}")
+            raise ValueError(
+                f"KVTensor.set_range: values must have width {self.width}; got {tuple(values.shape)}"
+            )
         if self.whole_rows:
             if self.width_offset != 0 or self.width != self.store.layout.width:
                 raise ValueError("KVTensor.set_range: a whole-row write needs the view's full width")
@@ -149,7 +150,9 @@ class KVTensor:
     def copy_(self, src: torch.Tensor | KVTensor, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> KVTensor:
         """Copy ``src`` (a tensor or KVTensor of the same shape) in, ``chunk_rows`` at a time."""
         if tuple(src.shape) != tuple(self.shape):
-            raise ValueError(f"KVTensor.copy_: src has shape {tuple(src.shape)}, expected {tuple(self.shape)}")
+            raise ValueError(
+                f"KVTensor.copy_: src has shape {tuple(src.shape)}, expected {tuple(self.shape)}"
+            )
         if chunk_rows <= 0:
             raise ValueError(f"KVTensor.copy_: chunk_rows must be positive; got {chunk_rows}")
         for start in range(0, len(self.ids), chunk_rows):

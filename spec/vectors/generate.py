@@ -1,0 +1,102 @@
+"""Regenerate the golden vectors from the specs, with the standard library alone.
+
+This restates the byte formats independently of leanstate (struct and Python ints
+only), so the vectors check the code rather than echo it. Run from the repo root:
+``python spec/vectors/generate.py``; it rewrites the JSON files next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+HERE = Path(__file__).parent
+MASK64 = 2**64 - 1
+
+
+def fnv64_broken(key: int) -> int:
+    h = 0xCBF29CE484222325
+    for byte in struct.pack("<q", key):
+        h = (h * 0x100000001B3) & MASK64
+        h ^= (byte - 256 if byte >= 128 else byte) & MASK64
+    return h
+
+
+def splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def f32(x: float) -> float:
+    """Round a double to the nearest float32 (ties to even)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def init_value(seed: int, key: int, column: int, low: float, high: float) -> float:
+    bits = splitmix64(splitmix64(splitmix64(seed & MASK64) ^ (key & MASK64)) ^ column)
+    u = (bits >> 40) / 2**24
+    return f32(f32(f32(f32(high) - f32(low)) * u) + f32(low))
+
+
+def pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def row_bytes(fmt: str, key: int, ts: int, count: int, used: int, weight, state) -> bytes:
+    """One whole row: header, weight padded to pad4, state padded to pad4."""
+    header = struct.pack("<qII", key, ts, count | (used << 31))
+    body = list(weight) + [0.0] * (pad4(len(weight)) - len(weight))
+    body += list(state) + [0.0] * (pad4(len(state)) - len(state)) if state else []
+    return header + struct.pack(f"<{len(body)}{fmt}", *body)
+
+
+def main() -> None:
+    ids = [0, 1, 2, 7, 255, 256, 1000, 123456789, -1 & MASK64 >> 1, -(2**63), 2**62 + 12345]
+    ids = [i - 2**64 if i >= 2**63 else i for i in ids]
+    shards = {
+        "rule": "shard = (num_shards * fnv64_broken(id)) >> 64",
+        "cases": [
+            {
+                "id": i,
+                "fnv64": f"{fnv64_broken(i):016x}",
+                "shards": {str(n): (n * fnv64_broken(i)) >> 64 for n in (1, 3, 8, 64)},
+            }
+            for i in ids
+        ],
+    }
+    init = {
+        "seed": 1234,
+        "init_range": [-0.05, 0.05],
+        "dim": 5,
+        "rows": [
+            {
+                "id": i,
+                "float32_hex": struct.pack(
+                    "<5f", *(init_value(1234, i, c, -0.05, 0.05) for c in range(5))
+                ).hex(),
+            }
+            for i in (0, 1, 42, 2**40 + 3, 9_999_999_999)
+        ],
+    }
+    weight = [0.5, -1.25, 2.0, 3.0, -0.125, 1.5]
+    rows = {
+        "note": "dim 6 (padded to 8), optimizer_state_dim 1 (padded to 4); key 0x0102030405060708",
+        "header": {"key": 0x0102030405060708, "timestamp": 1_700_000_000, "count": 5, "used": 1},
+        "weight": weight,
+        "state": [0.25],
+        "float32_hex": row_bytes("f", 0x0102030405060708, 1_700_000_000, 5, 1, weight, [0.25]).hex(),
+        "float16_hex": row_bytes("e", 0x0102030405060708, 1_700_000_000, 5, 1, weight, [0.25]).hex(),
+    }
+    for name, payload in (
+        ("shard_hash.json", shards),
+        ("initial_rows.json", init),
+        ("rows.json", rows),
+    ):
+        (HERE / name).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

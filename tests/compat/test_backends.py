@@ -1,0 +1,70 @@
+import os
+import subprocess
+import sys
+
+import leanstate
+import pytest
+import torch
+from leanstate import _backends
+from leanstate.reference.kv_store import KVStore as ReferenceKVStore
+
+
+def run_python(code: str, **env: str) -> str:
+    environment = {k: v for k, v in os.environ.items() if k != _backends.ENV_VAR} | env
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+INFO = "import leanstate; i = leanstate.backend_info(); print(i.chosen['kv_store']); print(i)"
+
+
+@pytest.mark.parametrize("value", ["auto", "reference", "numba", "numba-cuda", "torch", "bogus", ""])
+def test_every_env_value_imports_and_explains(value):
+    out = run_python(INFO, LEANSTATE_BACKEND=value)
+    chosen, report = out.split("\n", 1)
+    assert chosen == "reference"  # the only kv_store backend so far
+    assert f"LEANSTATE_BACKEND={value or 'auto'}" in report and "chose reference" in report
+    if value == "bogus":
+        assert "unknown backend 'bogus'" in report
+    if value in ("numba", "numba-cuda", "torch"):
+        assert f"{value}: no {value} implementation of kv_store" in report
+
+
+def test_unimportable_numba_falls_back_with_the_reason():
+    code = "import sys; sys.modules['numba'] = None\n" + INFO
+    out = run_python(code, LEANSTATE_BACKEND="auto")
+    assert "numba: cannot import its dependency (ModuleNotFoundError: import of numba halted" in out
+    assert out.startswith("reference")
+
+
+def test_broken_numba_does_not_break_import(tmp_path):
+    (tmp_path / "numba").mkdir()
+    (tmp_path / "numba" / "__init__.py").write_text("raise RuntimeError('half-installed numba')\n")
+    out = run_python(INFO, PYTHONPATH=str(tmp_path))
+    assert out.startswith("reference") and "RuntimeError: half-installed numba" in out
+
+
+def test_registry_selection_prefers_a_registered_backend(monkeypatch):
+    monkeypatch.setitem(_backends._IMPLEMENTATIONS, "kv_store", {"reference": "x", "numba": "y"})
+    monkeypatch.setattr(_backends, "_probe", lambda backend: None)
+    monkeypatch.setattr(_backends, "_cuda_present", lambda: False)
+    assert _backends.select("kv_store", "auto")[0] == "numba"
+    assert _backends.select("kv_store", "reference")[0] == "reference"
+    monkeypatch.setattr(_backends, "_probe", lambda backend: "missing" if backend == "numba" else None)
+    backend, reasons = _backends.select("kv_store", "numba")
+    assert backend == "reference" and "numba: missing" in reasons
+
+
+def test_public_class_builds_the_chosen_backend_and_accepts_backend():
+    store = leanstate.KVStore(4, backend="reference")
+    assert isinstance(store, ReferenceKVStore) and isinstance(store, leanstate.KVStore)
+    assert not isinstance(object(), leanstate.KVStore)
+    assert leanstate.KVStore(4).backend == leanstate.backend_info().chosen["kv_store"]
+    with pytest.raises(ValueError, match="no implementation of kv_store"):
+        leanstate.KVStore(4, backend="numba")
+    with pytest.raises(ValueError, match="not one of"):
+        leanstate.KVStore(4, backend="fast")
+    assert leanstate.KVStore(4, dtype=torch.float16).dtype == torch.float16

@@ -1,0 +1,42 @@
+"""The three code folders install as one package and nothing else is importable."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {
+    "compat": "leanstate",
+    "reference": "leanstate.reference",
+    "accelerated": "leanstate.accelerated",
+}
+
+
+def test_every_package_folder_is_listed():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    for folder, package in FOLDERS.items():
+        assert config["package-dir"][package] == folder
+        for init in (ROOT / folder).rglob("__init__.py"):
+            sub = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join((package, *sub))
+            assert name in listed, (
+                f"{init.parent} has an __init__.py but {name} is not in [tool.setuptools] packages"
+            )
+
+
+def test_folders_are_not_importable_bare(tmp_path):
+    # A fresh interpreter away from the repo root (pytest puts the root on sys.path).
+    code = "import importlib.util as u; print([u.find_spec(n) is None for n in ('compat', 'reference', 'accelerated')])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[True, True, True]"
+    assert subprocess.run([sys.executable, "-c", "import leanstate.reference"], cwd=tmp_path).returncode == 0
+
+
+def test_make_test_pins_torch():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "torch==2.13.0" in makefile
