@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import leanstate
 import torch
+
+import leanstate
 from leanstate.reference.row_format import header_words, unpack_metadata
 
 
@@ -45,6 +46,38 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    """Print the manifest of a checkpoint and verify every chunk."""
+    from leanstate.reference.checkpoint import CheckpointError, read_manifest, verify_checkpoint
+
+    try:
+        manifest = read_manifest(args.path)
+    except (OSError, CheckpointError) as exc:
+        print(f"ERROR: {exc}")
+        return 1
+    print(f"{args.path}: {manifest['format']} version {manifest['version']}")
+    for name, t in manifest["tables"].items():
+        print(
+            f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "
+            f"state {t['optimizer_state_dim']}), {t['bytes']} bytes in {len(t['chunks'])} chunks, "
+            f"ids {t['min_id']}..{t['max_id']}, file {t['file']}"
+        )
+    for name, v in manifest["views"].items():
+        kind = "read-only view" if v["read_only"] else "view"
+        print(f"  {kind} {name}: of {v['table']}, columns {v['width_offset']}+{v['width']}, {v['rows']} rows")
+    if manifest["extra"]:
+        print(f"  extra state: {manifest['extra']}")
+    checked = 0
+    try:
+        for _ in verify_checkpoint(args.path):
+            checked += 1
+    except (OSError, CheckpointError) as exc:
+        print(f"BAD: {exc}")
+        return 1
+    print(f"OK: {checked} chunks verified")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     print(leanstate.backend_info())
     return 0
@@ -59,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dim", type=int, default=128)
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
+    inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
+    inspect.add_argument("path")
+    inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+
 from leanstate.reference.hashing import initial_weights, shards_of
 from leanstate.reference.row_format import (
     COUNT_MAX,
@@ -73,8 +74,9 @@ class _Shard:
     def _by_chunk(self, blocks: torch.Tensor):
         """Yield (chunk, positions in ``blocks``, rows inside the chunk), chunk by chunk."""
         chunk_of = blocks // self.rows_per_chunk
-        for c in torch.unique(chunk_of).tolist():
-            positions = torch.nonzero(chunk_of == c).flatten()
+        order = torch.argsort(chunk_of, stable=True)
+        chunks, counts = torch.unique_consecutive(chunk_of[order], return_counts=True)
+        for c, positions in zip(chunks.tolist(), torch.split(order, counts.tolist())):
             yield self.chunks[c], positions, blocks[positions] % self.rows_per_chunk
 
     def read(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -245,14 +247,18 @@ class KVStore:
             chosen = positions[shard_of == s]
             yield self._shards[s], chosen, ids[chosen]
 
-    def _initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Whole rows of missing ids: header key and used=0, initial weights, zero state."""
+    def _initial_rows(self, ids: torch.Tensor, *, weights: bool = True) -> torch.Tensor:
+        """Whole rows of missing ids: header key and used=0, initial weights, zero state.
+
+        ``weights=False`` leaves the weights zero, for a caller about to overwrite them all.
+        """
         layout = self.layout
         rows = torch.zeros(len(ids), layout.width, dtype=self.dtype)
         low, high = self.init_range
-        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = initial_weights(
-            ids, layout.dim, seed=self.seed, low=low, high=high, dtype=self.dtype
-        )
+        if weights:
+            rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = initial_weights(
+                ids, layout.dim, seed=self.seed, low=low, high=high, dtype=self.dtype
+            )
         header_words(rows)[:, 0] = ids
         return rows
 
@@ -343,13 +349,16 @@ class KVStore:
         unique = torch.tensor(list(last), dtype=torch.int64)
         source = torch.tensor(list(last.values()), dtype=torch.int64)
         start = self.layout.header_elems + width_offset
+        weight_start = self.layout.weight_offset
+        overwrites_weights = start <= weight_start and start + values.shape[1] >= weight_start + self.dim
         for shard, positions, keys in self._by_shard(unique):
             key_list = keys.tolist()
             with shard.lock:
                 blocks, present = self._blocks(shard, key_list)
                 rows = torch.empty(len(keys), self.layout.width, dtype=self.dtype)
                 rows[present] = shard.read(blocks[present])
-                rows[~present] = self._initial_rows(keys[~present])
+                if not present.all():
+                    rows[~present] = self._initial_rows(keys[~present], weights=not overwrites_weights)
                 rows[:, start : start + values.shape[1]] = values[source[positions]]
                 header = header_words(rows)
                 stamp, count, _ = unpack_metadata(header[:, 1])
@@ -387,10 +396,11 @@ class KVStore:
     @staticmethod
     def _store(shard: _Shard, keys: list[int], blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Write whole rows to their blocks, allocating blocks for new keys (lock held)."""
-        for i in torch.nonzero(blocks < 0).flatten().tolist():
-            blocks[i] = shard.allocate()
-            shard.index[keys[i]] = int(blocks[i])
-        shard.write(blocks, rows)
+        block_list = blocks.tolist()
+        for i, block in enumerate(block_list):
+            if block < 0:
+                block_list[i] = shard.index[keys[i]] = shard.allocate()
+        shard.write(torch.tensor(block_list, dtype=torch.int64), rows)
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones are ignored); returns the rows removed."""

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import torch
+
 from leanstate.reference.kv_store import KVStore
 
 DEFAULT_CHUNK_ROWS = 8192

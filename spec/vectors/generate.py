@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -51,6 +52,50 @@ def row_bytes(fmt: str, key: int, ts: int, count: int, used: int, weight, state)
     body = list(weight) + [0.0] * (pad4(len(weight)) - len(weight))
     body += list(state) + [0.0] * (pad4(len(state)) - len(state)) if state else []
     return header + struct.pack(f"<{len(body)}{fmt}", *body)
+
+
+def golden_checkpoint(folder: Path) -> None:
+    """A tiny whole-row checkpoint: fp32, dim 3, state 1, five rows in chunks of two."""
+    folder.mkdir(exist_ok=True)
+    dim, state_dim, rows_per_chunk = 3, 1, 2
+    width = 4 + pad4(dim) + pad4(state_dim)
+    ids = [2, 3, 10, 11, 40]
+    records = [
+        row_bytes("f", k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8]) for k in ids
+    ]
+    data = b"".join(records)
+    chunks = []
+    for first in range(0, len(ids), rows_per_chunk):
+        part = b"".join(records[first : first + rows_per_chunk])
+        group = ids[first : first + rows_per_chunk]
+        chunks.append(
+            {"offset": first * width * 4, "rows": len(group), "min_id": group[0], "max_id": group[-1], "crc32": zlib.crc32(part)}
+        )
+    manifest = {
+        "format": "leanstate-whole-row",
+        "version": 1,
+        "tables": {
+            "t": {
+                "file": "t.rows",
+                "dim": dim,
+                "optimizer_state_dim": state_dim,
+                "dtype": "float32",
+                "header_elems": 4,
+                "width": width,
+                "row_bytes": width * 4,
+                "rows": len(ids),
+                "bytes": len(data),
+                "min_id": ids[0],
+                "max_id": ids[-1],
+                "checksum": "crc32",
+                "chunks": chunks,
+            }
+        },
+        "views": {},
+        "extra": None,
+    }
+    (folder / "t.rows").write_bytes(data)
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def main() -> None:
@@ -96,6 +141,7 @@ def main() -> None:
         ("rows.json", rows),
     ):
         (HERE / name).write_text(json.dumps(payload, indent=1) + "\n")
+    golden_checkpoint(HERE / "checkpoint_v1")
 
 
 if __name__ == "__main__":

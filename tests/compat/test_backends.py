@@ -2,9 +2,10 @@ import os
 import subprocess
 import sys
 
-import leanstate
 import pytest
 import torch
+
+import leanstate
 from leanstate import _backends
 from leanstate.reference.kv_store import KVStore as ReferenceKVStore
 

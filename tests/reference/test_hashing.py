@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from leanstate.reference.hashing import init_value, initial_weights, shard_of, shards_of
 
 int64s = st.integers(-(2**63), 2**63 - 1)

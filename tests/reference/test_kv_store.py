@@ -2,10 +2,10 @@ import threading
 
 import pytest
 import torch
+
 from leanstate.reference.hashing import initial_weights, shards_of
 from leanstate.reference.kv_store import ROWS_PER_CHUNK, KVStore
 from leanstate.reference.row_format import COUNT_MAX, header_words, unpack_metadata
-
 from tests.conftest import FakeClock
 
 

@@ -10,10 +10,10 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from leanstate.reference.hashing import initial_weights
 from leanstate.reference.kv_store import KVStore
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata
-
 from tests.conftest import FakeClock
 
 DIM, STATE = 5, 2

@@ -2,6 +2,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from leanstate.reference.row_format import (
     COUNT_MAX,
     RowLayout,
