@@ -60,16 +60,20 @@ def golden_checkpoint(folder: Path) -> None:
     dim, state_dim, rows_per_chunk = 3, 1, 2
     width = 4 + pad4(dim) + pad4(state_dim)
     ids = [2, 3, 10, 11, 40]
-    records = [
-        row_bytes("f", k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8]) for k in ids
-    ]
+    records = [row_bytes("f", k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8]) for k in ids]
     data = b"".join(records)
     chunks = []
     for first in range(0, len(ids), rows_per_chunk):
         part = b"".join(records[first : first + rows_per_chunk])
         group = ids[first : first + rows_per_chunk]
         chunks.append(
-            {"offset": first * width * 4, "rows": len(group), "min_id": group[0], "max_id": group[-1], "crc32": zlib.crc32(part)}
+            {
+                "offset": first * width * 4,
+                "rows": len(group),
+                "min_id": group[0],
+                "max_id": group[-1],
+                "crc32": zlib.crc32(part),
+            }
         )
     manifest = {
         "format": "leanstate-whole-row",

@@ -1,0 +1,392 @@
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanstate.reference.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_manifest,
+    row_wise_id_range,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from leanstate.reference.kv_store import KVStore
+from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
+from leanstate.reference.row_format import header_words
+from tests.conftest import VECTORS, FakeClock
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def filled(n=300, dim=6, state=2, dtype=torch.float32, **kwargs):
+    store = KVStore(dim, optimizer_state_dim=state, dtype=dtype, clock=FakeClock(500), **kwargs)
+    ids = torch.randperm(10 * n)[:n]
+    store.set(ids, torch.randn(n, dim).to(dtype))
+    store.set(ids[: n // 2], torch.randn(n // 2, state).to(dtype), width_offset=store.layout.padded_dim)
+    return store
+
+
+def snapshot(store):
+    keys = store.keys()
+    return keys, store.get_rows(keys)
+
+
+def same(a, b):
+    return torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_keeps_rows_and_metadata(tmp_path, dtype):
+    src = filled(dtype=dtype)
+    save_checkpoint(tmp_path / "ck", {"t": src}, extra={"step": torch.tensor(7), "lr": 0.5}, chunk_bytes=1000)
+    dst = KVStore(6, optimizer_state_dim=2, dtype=dtype, num_shards=3)
+    extra = load_checkpoint(tmp_path / "ck", {"t": dst}, chunk_bytes=700)
+    assert same(snapshot(src), snapshot(dst))
+    assert extra["step"].item() == 7 and extra["lr"] == 0.5
+    assert len(read_manifest(tmp_path / "ck")["tables"]["t"]["chunks"]) > 10
+
+
+def test_rows_are_stored_in_ascending_id_order_in_chunks(tmp_path):
+    src = filled()
+    save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=2000)
+    table = read_manifest(tmp_path / "ck")["tables"]["t"]
+    raw = (tmp_path / "ck" / "t.rows").read_bytes()
+    rows = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(-1, table["width"])
+    assert torch.equal(header_words(rows)[:, 0], src.keys())
+    offsets = [c["offset"] for c in table["chunks"]]
+    assert offsets == sorted(offsets) and sum(c["rows"] for c in table["chunks"]) == table["rows"] == len(src)
+    assert all(a["max_id"] < b["min_id"] for a, b in zip(table["chunks"], table["chunks"][1:]))
+
+
+def test_golden_checkpoint_loads_bit_exactly_and_saves_back_identically(tmp_path):
+    golden = VECTORS / "checkpoint_v1"
+    store = KVStore(3, optimizer_state_dim=1)
+    load_checkpoint(golden, {"t": store})
+    raw = (golden / "t.rows").read_bytes()
+    assert store.get_rows(store.keys()).numpy().tobytes() == raw
+    table = read_manifest(golden)["tables"]["t"]
+    save_checkpoint(tmp_path / "again", {"t": store}, chunk_bytes=2 * table["row_bytes"])
+    assert (tmp_path / "again" / "t.rows").read_bytes() == raw
+    assert json.loads((tmp_path / "again" / "manifest.json").read_text()) == json.loads(
+        (golden / "manifest.json").read_text()
+    )
+
+
+def test_saving_the_same_store_twice_gives_the_same_bytes(tmp_path):
+    src = filled()
+    for name in ("a", "b"):
+        save_checkpoint(tmp_path / name, {"t": src}, chunk_bytes=1500)
+    for file in ("t.rows", "manifest.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()
+
+
+def test_id_range_loads_a_share_and_reads_only_its_chunks(tmp_path):
+    src = KVStore(4, clock=FakeClock())
+    src.set(torch.arange(100), torch.randn(100, 4))
+    save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=10 * src.layout.row_bytes)
+    # Corrupt the last chunk: a share that does not touch it must still load.
+    data = tmp_path / "ck" / "t.rows"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(raw)
+    part = KVStore(4)
+    load_checkpoint(tmp_path / "ck", {"t": part}, id_range=(25, 47))
+    assert part.keys().tolist() == list(range(25, 47))
+    assert torch.equal(part.get_rows(part.keys()), src.get_rows(part.keys()))
+    with pytest.raises(CheckpointError, match="chunk 9 of .*t.rows"):
+        load_checkpoint(tmp_path / "ck", {"t": KVStore(4)}, id_range=(85, 200))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_world_size_partitions_the_rows(tmp_path, world_size):
+    src = KVStore(4, clock=FakeClock())
+    src.set(torch.arange(0, 101, 3), torch.randn(34, 4))
+    save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=7 * src.layout.row_bytes)
+    seen = []
+    for rank in range(world_size):
+        share = KVStore(4)
+        load_checkpoint(tmp_path / "ck", {"t": share}, id_range=row_wise_id_range(101, rank, world_size))
+        seen.extend(share.keys().tolist())
+        assert torch.equal(share.get_rows(share.keys()), src.get_rows(share.keys()))
+    assert seen == src.keys().tolist()
+
+
+def test_whole_row_views_and_read_only_optimizer_views(tmp_path):
+    src = filled(n=50)
+    weight = KVTensor(src, whole_rows=True)
+    momentum = KVTensor(src, width_offset=src.layout.padded_dim, width=2, read_only=True)
+    src.set(torch.tensor([100_000, 100_001]), torch.ones(2, 6))  # the store grows after the views
+    save_checkpoint(tmp_path / "ck", {"t.weight": weight, "t.momentum": momentum})
+    manifest = read_manifest(tmp_path / "ck")
+    assert manifest["tables"]["t.weight"]["rows"] == 52
+    assert manifest["views"]["t.momentum"] == {
+        "table": "t.weight",
+        "whole_rows": False,
+        "width_offset": 8,
+        "width": 2,
+        "read_only": True,
+        "rows": 52,
+    }
+    dst = KVStore(6, optimizer_state_dim=2)
+    dst_weight = KVTensor(dst, whole_rows=True)
+    dst_momentum = KVTensor(dst, width_offset=8, width=2, read_only=True)
+    load_checkpoint(tmp_path / "ck", {"t.weight": dst_weight, "t.momentum": dst_momentum})
+    assert same(snapshot(src), snapshot(dst))  # the state arrived with the whole rows
+    assert dst_momentum.ignored_writes == 52
+
+
+def test_a_partial_view_needs_its_whole_table(tmp_path):
+    src = filled(n=5)
+    with pytest.raises(ValueError, match="partial view"):
+        save_checkpoint(tmp_path / "ck", {"m": KVTensor(src, width=2)})
+    save_checkpoint(tmp_path / "ck", {"t": src})
+    with pytest.raises(ValueError, match="writable partial view"):
+        load_checkpoint(tmp_path / "ck", {"t": KVTensor(KVStore(6, optimizer_state_dim=2), width=2)})
+
+
+def test_progress_is_reported(tmp_path):
+    src = filled(n=100)
+    calls = []
+    save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=1000, progress=lambda *a: calls.append(a))
+    assert calls[-1] == ("t", 100, 100) and len(calls) > 3
+    calls.clear()
+    load_checkpoint(
+        tmp_path / "ck", {"t": KVStore(6, optimizer_state_dim=2)}, progress=lambda *a: calls.append(a)
+    )
+    assert calls[-1] == ("t", 100, 100)
+
+
+def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
+    save_checkpoint(tmp_path / "ck", {"a": filled(n=10), "b": filled(n=10)})
+    new = filled(n=20)
+    save_checkpoint(tmp_path / "ck", {"a": new})
+    assert sorted(os.listdir(tmp_path / "ck")) == ["a.rows", "manifest.json"]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or previous copy left
+    dst = KVStore(6, optimizer_state_dim=2)
+    load_checkpoint(tmp_path / "ck", {"a": dst})
+    assert same(snapshot(new), snapshot(dst))
+
+
+def test_legacy_round_trip_keeps_values_not_metadata(tmp_path):
+    src = filled(n=30)
+    save_legacy_checkpoint(tmp_path / "old", {"t": src})
+    dst = KVStore(6, optimizer_state_dim=2, clock=FakeClock(900))
+    load_legacy_checkpoint(tmp_path / "old", {"t": dst})
+    keys = src.keys()
+    assert torch.equal(dst.keys(), keys)
+    assert torch.equal(dst.get(keys), src.get(keys))
+    assert not torch.equal(dst.metadata(keys), src.metadata(keys))
+
+
+# -- faults: a clear error naming the file and chunk, and nothing applied ---------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    src = filled(n=200)
+    path = save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=20 * src.layout.row_bytes)
+    return path
+
+
+def target_with_rows():
+    store = KVStore(6, optimizer_state_dim=2)
+    store.set(torch.tensor([1, 2, 3]), torch.ones(3, 6))
+    return store
+
+
+def corrupt(path: Path, how: str) -> None:
+    manifest_file = path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    data = path / "t.rows"
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif how == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) - 50] ^= 0x01  # in the last chunk: earlier chunks must not be applied either
+        data.write_bytes(raw)
+    elif how == "version":
+        manifest["version"] = 99
+    elif how == "outside":
+        shutil.copy(data, path.parent / "evil.rows")
+        manifest["tables"]["t"]["file"] = "../evil.rows"
+    elif how == "missing-file":
+        data.unlink()
+    elif how == "format":
+        manifest["format"] = "something-else"
+    if how in ("version", "outside", "format"):
+        manifest_file.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", r"t\.rows has \d+ bytes, the manifest expects \d+ \(truncated\)"),
+        ("flipped", r"chunk 9 of .*t\.rows \(bytes \d+\.\.\d+\) fails its crc32 check"),
+        ("version", r"manifest\.json: format version 99 is not supported"),
+        ("outside", r"names file '\.\./evil\.rows' outside the checkpoint directory"),
+        ("missing-file", r"data file .*t\.rows is missing"),
+        ("format", r"format 'something-else'"),
+    ],
+)
+def test_bad_checkpoints_are_refused_before_any_row_is_applied(saved, how, message):
+    corrupt(saved, how)
+    store = target_with_rows()
+    before = snapshot(store)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(saved, {"t": store}, chunk_bytes=1000)
+    assert same(before, snapshot(store))
+
+
+@pytest.mark.parametrize(
+    "store, message",
+    [
+        (KVStore(6, optimizer_state_dim=2, dtype=torch.float16), "dtype float32 vs the store's float16"),
+        (KVStore(5, optimizer_state_dim=2), "dim 6 vs the store's 5"),
+        (KVStore(6, optimizer_state_dim=1), "optimizer_state_dim 2 vs the store's 1"),
+    ],
+)
+def test_layout_mismatch_names_the_table_and_file(saved, store, message):
+    with pytest.raises(CheckpointError, match=f"table 't' in .*t.rows: {message}"):
+        load_checkpoint(saved, {"t": store})
+    assert len(store) == 0
+
+
+def test_missing_table_and_missing_checkpoint(saved, tmp_path):
+    store = target_with_rows()
+    with pytest.raises(CheckpointError, match=r"table 'u' is not in checkpoint .*ck \(it has: t\)"):
+        load_checkpoint(saved, {"t": store, "u": KVStore(6, optimizer_state_dim=2)})
+    assert len(store) == 3  # the good table was not applied either
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nothing", {"t": store})
+
+
+def test_inspect_reports_ok_and_the_first_bad_chunk(saved):
+    def inspect():
+        return subprocess.run(
+            [sys.executable, "-m", "leanstate", "inspect", str(saved)], capture_output=True, text=True
+        )
+
+    ok = inspect()
+    assert ok.returncode == 0 and "table t: 200 rows" in ok.stdout and "OK: 10 chunks verified" in ok.stdout
+    corrupt(saved, "flipped")
+    bad = inspect()
+    assert bad.returncode == 1 and "BAD: table 't': chunk 9 of" in bad.stdout
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        save_checkpoint(tmp_path / "ck", {"t": filled(n=3)}, chunk_bytes=0)
+    with pytest.raises(TypeError, match=r"tables\['t'\] must be a KVStore or KVTensor"):
+        save_checkpoint(tmp_path / "ck", {"t": torch.zeros(3)})
+    with pytest.raises(ValueError, match="table name"):
+        save_checkpoint(tmp_path / "ck", {"../t": filled(n=3)})
+    with pytest.raises(ValueError, match="id_range"):
+        load_checkpoint(tmp_path / "ck", {}, id_range=(5, 1))
+    assert not (tmp_path / "ck").exists()
+
+
+# -- a save killed part-way ----------------------------------------------------------------
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import sys, time, torch
+    from leanstate.reference.kv_store import KVStore
+    from leanstate.reference.checkpoint import save_checkpoint
+
+    store = KVStore(16)
+    store.set(torch.arange(5000), torch.full((5000, 16), 2.0))
+
+    def progress(table, done, total):
+        print("chunk", done, flush=True)
+        time.sleep(60)  # the parent kills us here, mid-save
+
+    save_checkpoint(sys.argv[1], {"t": store}, chunk_bytes=4096, progress=progress)
+    """
+)
+
+
+def test_a_save_killed_with_sigkill_leaves_the_previous_checkpoint(tmp_path):
+    old = KVStore(16, clock=FakeClock())
+    old.set(torch.arange(10), torch.ones(10, 16))
+    path = save_checkpoint(tmp_path / "ck", {"t": old})
+    before = sorted(os.listdir(path))
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().startswith("chunk")
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert sorted(os.listdir(path)) == before
+    restored = KVStore(16)
+    load_checkpoint(path, {"t": restored})
+    assert same(snapshot(old), snapshot(restored))
+    assert list(verify_checkpoint(path))
+    # what the killed save left is a hidden sibling, never the target
+    assert all(p.name.startswith(".ck.saving-") for p in tmp_path.iterdir() if p.name != "ck")
+
+
+# -- memory: whole-row streaming vs the legacy load ----------------------------------------
+
+MEMORY_PROBE = textwrap.dedent(
+    """
+    import ctypes, gc, json, sys, torch
+    from leanstate.reference.kv_store import KVStore
+    from leanstate.reference.checkpoint import load_checkpoint
+    from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint
+
+    kind, path, rows, dim = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    # A live store that already holds the rows (resume): only the load's own memory shows.
+    store = KVStore(dim, optimizer_state_dim=1)
+    for start in range(0, rows, 20_000):
+        store.set(torch.arange(start, min(rows, start + 20_000)), torch.zeros(min(20_000, rows - start), dim))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap, so the base is tight
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS
+    if kind == "whole":
+        load_checkpoint(path, {"t": store}, chunk_bytes=2 * 2**20)
+    else:
+        load_legacy_checkpoint(path, {"t": store})
+    # The table's content: ids, weights and optimizer state (what the legacy flow holds).
+    table = rows * (8 + (dim + 1) * 4)
+    print(json.dumps({"extra": status("VmHWM") - base, "table": table}))
+    """
+)
+
+
+def test_whole_row_load_memory_is_bounded_and_the_legacy_load_is_not(tmp_path):
+    rows, dim = 200_000, 128
+    src = KVStore(dim, optimizer_state_dim=1)
+    for start in range(0, rows, 50_000):
+        src.set(torch.arange(start, start + 50_000), torch.randn(50_000, dim))
+    save_checkpoint(tmp_path / "whole", {"t": src})
+    save_legacy_checkpoint(tmp_path / "legacy", {"t": src})
+    del src
+    results = {}
+    for kind in ("whole", "legacy"):
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY_PROBE, kind, str(tmp_path / kind), str(rows), str(dim)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        results[kind] = json.loads(out.stdout)
+    table = results["whole"]["table"]
+    assert results["whole"]["extra"] < table / 4, results
+    assert results["legacy"]["extra"] > table, results
