@@ -23,7 +23,6 @@ import math
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -47,7 +46,12 @@ def _system_clock() -> int:
 
 
 class _Shard:
-    """One shard: id -> block map, chunked block pool with a free list, and its lock."""
+    """One shard: id -> block map, chunked block pool with a free list, and its lock.
+
+    Accelerated backends replace this class and keep its methods: ``lookup``, ``read``,
+    ``store``, ``remove``, ``keys``, ``__len__`` and ``memory_bytes`` (all called with
+    ``lock`` held by the store).
+    """
 
     def __init__(self, width: int, dtype: torch.dtype, rows_per_chunk: int) -> None:
         self.lock = threading.Lock()
@@ -59,17 +63,23 @@ class _Shard:
         self.dtype = dtype
         self.rows_per_chunk = rows_per_chunk
 
-    def allocate(self) -> int:
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def keys(self) -> torch.Tensor:
+        return torch.tensor(list(self.index), dtype=torch.int64)
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Block number of each key, -1 where the key is absent."""
+        return torch.tensor([self.index.get(k, -1) for k in keys.tolist()], dtype=torch.int64)
+
+    def _allocate(self) -> int:
         if self.free:
             return self.free.pop()
         if self.handed_out == len(self.chunks) * self.rows_per_chunk:
             self.chunks.append(torch.zeros(self.rows_per_chunk, self.width, dtype=self.dtype))
         self.handed_out += 1
         return self.handed_out - 1
-
-    def release(self, block: int) -> None:
-        self.write(torch.tensor([block]), torch.zeros(1, self.width, dtype=self.dtype))
-        self.free.append(block)
 
     def _by_chunk(self, blocks: torch.Tensor):
         """Yield (chunk, positions in ``blocks``, rows inside the chunk), chunk by chunk."""
@@ -80,14 +90,31 @@ class _Shard:
             yield self.chunks[c], positions, blocks[positions] % self.rows_per_chunk
 
     def read(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole rows of ``blocks``."""
         out = torch.empty(len(blocks), self.width, dtype=self.dtype)
         for chunk, positions, rows in self._by_chunk(blocks):
             out[positions] = chunk[rows]
         return out
 
-    def write(self, blocks: torch.Tensor, values: torch.Tensor) -> None:
-        for chunk, positions, rows in self._by_chunk(blocks):
-            chunk[rows] = values[positions]
+    def _write(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        for chunk, positions, within in self._by_chunk(blocks):
+            chunk[within] = rows[positions]
+
+    def store(self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write whole ``rows`` of distinct ``keys``; ``blocks`` from ``lookup`` (-1: allocate)."""
+        block_list = blocks.tolist()
+        for i, key in enumerate(keys.tolist()):
+            if block_list[i] < 0:
+                block_list[i] = self.index[key] = self._allocate()
+        self._write(torch.tensor(block_list, dtype=torch.int64), rows)
+
+    def remove(self, keys: torch.Tensor) -> int:
+        """Delete distinct keys: zero their blocks and free them. Returns how many were present."""
+        freed = [b for b in (self.index.pop(k, None) for k in keys.tolist()) if b is not None]
+        if freed:
+            self._write(torch.tensor(freed), torch.zeros(len(freed), self.width, dtype=self.dtype))
+            self.free.extend(freed)
+        return len(freed)
 
     def memory_bytes(self) -> int:
         chunk_bytes = sum(c.numel() * c.element_size() for c in self.chunks)
@@ -145,7 +172,7 @@ class KVStore:
         self.init_range = (low, high)
         self.seed = int(seed)
         self.clock = clock if clock is not None else _system_clock
-        self._shards = [_Shard(self.layout.width, dtype, ROWS_PER_CHUNK) for _ in range(num_shards)]
+        self._shards = [self._new_shard() for _ in range(num_shards)]
 
     # -- properties ----------------------------------------------------------------
 
@@ -162,7 +189,7 @@ class KVStore:
         return self.layout.dtype
 
     def __len__(self) -> int:
-        return sum(len(s.index) for s in self._shards)
+        return sum(len(s) for s in self._shards)
 
     def __repr__(self) -> str:
         return (
@@ -235,17 +262,42 @@ class KVStore:
                 f"{method}: {argument} must have shape [{want_rows}, {want_width}]; got {tuple(values.shape)}"
             )
 
-    # -- helpers -------------------------------------------------------------------
+    # -- helpers (the hooks an accelerated backend overrides) ------------------------
+
+    def _new_shard(self) -> _Shard:
+        return _Shard(self.layout.width, self.dtype, ROWS_PER_CHUNK)
+
+    def _shard_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Shard of each non-negative id (``hashing.shard_of``)."""
+        return shards_of(ids, self.num_shards)
+
+    def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), dim] initial weights (``hashing.init_value``), in the store's dtype."""
+        low, high = self.init_range
+        return initial_weights(ids, self.dim, seed=self.seed, low=low, high=high, dtype=self.dtype)
+
+    # -- helpers ---------------------------------------------------------------------
 
     def _by_shard(self, ids: torch.Tensor):
         """Yield (shard, positions, ids at those positions) for the non-negative ids."""
         positions = torch.nonzero(ids >= 0).flatten()
         if len(positions) == 0:
             return
-        shard_of = shards_of(ids[positions], self.num_shards)
-        for s in torch.unique(shard_of).tolist():
-            chosen = positions[shard_of == s]
+        shard_of = self._shard_ids(ids[positions])
+        order = torch.argsort(shard_of, stable=True)
+        shards, counts = torch.unique_consecutive(shard_of[order], return_counts=True)
+        for s, chosen in zip(shards.tolist(), torch.split(positions[order], counts.tolist())):
             yield self._shards[s], chosen, ids[chosen]
+
+    @staticmethod
+    def _last_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Distinct keys, the position of each one's last occurrence, and its occurrence count."""
+        if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):  # already distinct (sorted)
+            return keys, torch.arange(len(keys)), torch.ones(len(keys), dtype=torch.int64)
+        unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        last = torch.full((len(unique),), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, inverse, torch.arange(len(keys)), reduce="amax")
+        return unique, last, counts
 
     def _initial_rows(self, ids: torch.Tensor, *, weights: bool = True) -> torch.Tensor:
         """Whole rows of missing ids: header key and used=0, initial weights, zero state.
@@ -254,11 +306,8 @@ class KVStore:
         """
         layout = self.layout
         rows = torch.zeros(len(ids), layout.width, dtype=self.dtype)
-        low, high = self.init_range
         if weights:
-            rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = initial_weights(
-                ids, layout.dim, seed=self.seed, low=low, high=high, dtype=self.dtype
-            )
+            rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = self._initial_weights(ids)
         header_words(rows)[:, 0] = ids
         return rows
 
@@ -267,12 +316,6 @@ class KVStore:
         if not 0 <= now <= TIMESTAMP_MAX:
             raise ValueError(f"clock() returned {now}, outside the uint32 seconds range")
         return now
-
-    @staticmethod
-    def _blocks(shard: _Shard, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block numbers of ``keys`` (-1 for missing) and the mask of present ones."""
-        blocks = torch.tensor([shard.index.get(k, -1) for k in keys], dtype=torch.int64)
-        return blocks, blocks >= 0
 
     # -- reads ---------------------------------------------------------------------
 
@@ -296,7 +339,8 @@ class KVStore:
         out = torch.zeros(len(ids), self.layout.width, dtype=self.dtype)
         for shard, positions, keys in self._by_shard(ids):
             with shard.lock:
-                blocks, present = self._blocks(shard, keys.tolist())
+                blocks = shard.lookup(keys)
+                present = blocks >= 0
                 out[positions[present]] = shard.read(blocks[present])
             if initial_for_missing and not present.all():
                 out[positions[~present]] = self._initial_rows(keys[~present])
@@ -308,7 +352,7 @@ class KVStore:
         out = torch.zeros(len(ids), dtype=torch.bool)
         for shard, positions, keys in self._by_shard(ids):
             with shard.lock:
-                out[positions] = torch.tensor([k in shard.index for k in keys.tolist()], dtype=torch.bool)
+                out[positions] = shard.lookup(keys) >= 0
         return out
 
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
@@ -321,8 +365,8 @@ class KVStore:
         found = []
         for shard in self._shards:
             with shard.lock:
-                found.extend(shard.index)
-        return torch.sort(torch.tensor(found, dtype=torch.int64)).values
+                found.append(shard.keys())
+        return torch.sort(torch.cat(found)).values
 
     def keys_in_range(self, lo: int, hi: int) -> torch.Tensor:
         """Ids in ``[lo, hi)``, sorted ascending, as int64."""
@@ -344,17 +388,16 @@ class KVStore:
         self._check_values(method, "values", values, len(ids), self.layout.value_width - width_offset)
         now = self._now()
         values = values.cpu()
-        last = {k: p for p, k in enumerate(ids.tolist()) if k >= 0}
-        occurrences = Counter(k for k in ids.tolist() if k >= 0)
-        unique = torch.tensor(list(last), dtype=torch.int64)
-        source = torch.tensor(list(last.values()), dtype=torch.int64)
+        kept = torch.nonzero(ids >= 0).flatten()
+        unique, last, occurrences = self._last_occurrences(ids[kept])
+        source = kept[last]
         start = self.layout.header_elems + width_offset
         weight_start = self.layout.weight_offset
         overwrites_weights = start <= weight_start and start + values.shape[1] >= weight_start + self.dim
         for shard, positions, keys in self._by_shard(unique):
-            key_list = keys.tolist()
             with shard.lock:
-                blocks, present = self._blocks(shard, key_list)
+                blocks = shard.lookup(keys)
+                present = blocks >= 0
                 rows = torch.empty(len(keys), self.layout.width, dtype=self.dtype)
                 rows[present] = shard.read(blocks[present])
                 if not present.all():
@@ -362,11 +405,10 @@ class KVStore:
                 rows[:, start : start + values.shape[1]] = values[source[positions]]
                 header = header_words(rows)
                 stamp, count, _ = unpack_metadata(header[:, 1])
-                bumps = torch.tensor([occurrences[k] for k in key_list], dtype=torch.int64)
                 stamp.fill_(now)
-                count = torch.clamp(count + bumps, max=COUNT_MAX)
+                count = torch.clamp(count + occurrences[positions], max=COUNT_MAX)
                 header[:, 1] = pack_metadata(stamp, count, torch.ones_like(present))
-                self._store(shard, key_list, blocks, rows)
+                shard.store(keys, blocks, rows)
 
     def set_rows(self, rows: torch.Tensor) -> None:
         """Write whole rows, each keyed by header bytes 0-7 (the checkpoint path).
@@ -376,31 +418,18 @@ class KVStore:
         """
         method = "KVStore.set_rows"
         self._check_values(method, "rows", rows, None, self.layout.width, exact=True)
-        rows = rows.cpu().contiguous()
-        keys = header_words(rows)[:, 0]
+        rows = rows.cpu()
+        keys = header_words(rows.contiguous())[:, 0]
         if (keys < 0).any():
             bad = int(torch.nonzero(keys < 0)[0])
             raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
-        last = {k: p for p, k in enumerate(keys.tolist())}
-        unique = torch.tensor(list(last), dtype=torch.int64)
-        source = torch.tensor(list(last.values()), dtype=torch.int64)
+        unique, last, _ = self._last_occurrences(keys)
         for shard, positions, shard_keys in self._by_shard(unique):
-            chosen = rows[source[positions]]
+            chosen = rows[last[positions]]
             header = header_words(chosen)
-            header[:, 1] = header[:, 1] | torch.iinfo(torch.int64).min  # set ``used``
-            key_list = shard_keys.tolist()
+            header[:, 1] |= torch.iinfo(torch.int64).min  # set ``used``
             with shard.lock:
-                blocks, _ = self._blocks(shard, key_list)
-                self._store(shard, key_list, blocks, chosen)
-
-    @staticmethod
-    def _store(shard: _Shard, keys: list[int], blocks: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write whole rows to their blocks, allocating blocks for new keys (lock held)."""
-        block_list = blocks.tolist()
-        for i, block in enumerate(block_list):
-            if block < 0:
-                block_list[i] = shard.index[keys[i]] = shard.allocate()
-        shard.write(torch.tensor(block_list, dtype=torch.int64), rows)
+                shard.store(shard_keys, shard.lookup(shard_keys), chosen)
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones are ignored); returns the rows removed."""
@@ -408,11 +437,7 @@ class KVStore:
         removed = 0
         for shard, _, keys in self._by_shard(torch.unique(ids)):
             with shard.lock:
-                for k in keys.tolist():
-                    block = shard.index.pop(k, None)
-                    if block is not None:
-                        shard.release(block)
-                        removed += 1
+                removed += shard.remove(keys)
         return removed
 
     # -- eviction ------------------------------------------------------------------
