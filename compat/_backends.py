@@ -19,7 +19,10 @@ ENV_VAR = "LEANSTATE_BACKEND"
 
 # component -> backend -> module holding the implementation classes.
 _IMPLEMENTATIONS: dict[str, dict[str, str]] = {
-    "kv_store": {"reference": "leanstate.reference.kv_store"},
+    "kv_store": {
+        "reference": "leanstate.reference.kv_store",
+        "numba": "leanstate.accelerated.numba_kv_store",
+    },
 }
 
 

@@ -22,15 +22,26 @@ def run_python(code: str, **env: str) -> str:
 INFO = "import leanstate; i = leanstate.backend_info(); print(i.chosen['kv_store']); print(i)"
 
 
-@pytest.mark.parametrize("value", ["auto", "reference", "numba", "numba-cuda", "torch", "bogus", ""])
-def test_every_env_value_imports_and_explains(value):
+@pytest.mark.parametrize(
+    "value, chosen",
+    [
+        ("auto", "numba"),
+        ("reference", "reference"),
+        ("numba", "numba"),
+        ("numba-cuda", "numba"),
+        ("torch", "numba"),
+        ("bogus", "numba"),
+        ("", "numba"),
+    ],
+)
+def test_every_env_value_imports_and_explains(value, chosen):
     out = run_python(INFO, LEANSTATE_BACKEND=value)
-    chosen, report = out.split("\n", 1)
-    assert chosen == "reference"  # the only kv_store backend so far
-    assert f"LEANSTATE_BACKEND={value or 'auto'}" in report and "chose reference" in report
+    got, report = out.split("\n", 1)
+    assert got == chosen
+    assert f"LEANSTATE_BACKEND={value or 'auto'}" in report and f"chose {chosen}" in report
     if value == "bogus":
         assert "unknown backend 'bogus'" in report
-    if value in ("numba", "numba-cuda", "torch"):
+    if value in ("numba-cuda", "torch"):
         assert f"{value}: no {value} implementation of kv_store" in report
 
 
@@ -39,6 +50,10 @@ def test_unimportable_numba_falls_back_with_the_reason():
     out = run_python(code, LEANSTATE_BACKEND="auto")
     assert "numba: cannot import its dependency (ModuleNotFoundError: import of numba halted" in out
     assert out.startswith("reference")
+    store = run_python(
+        "import sys; sys.modules['numba'] = None\nimport leanstate; print(leanstate.KVStore(4).backend)"
+    )
+    assert store.strip() == "reference"
 
 
 def test_broken_numba_does_not_break_import(tmp_path):
@@ -64,8 +79,9 @@ def test_public_class_builds_the_chosen_backend_and_accepts_backend():
     assert isinstance(store, ReferenceKVStore) and isinstance(store, leanstate.KVStore)
     assert not isinstance(object(), leanstate.KVStore)
     assert leanstate.KVStore(4).backend == leanstate.backend_info().chosen["kv_store"]
+    assert leanstate.KVStore(4, backend="numba").backend == "numba"
     with pytest.raises(ValueError, match="no implementation of kv_store"):
-        leanstate.KVStore(4, backend="numba")
+        leanstate.KVStore(4, backend="torch")
     with pytest.raises(ValueError, match="not one of"):
         leanstate.KVStore(4, backend="fast")
     assert leanstate.KVStore(4, dtype=torch.float16).dtype == torch.float16

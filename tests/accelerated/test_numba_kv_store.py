@@ -1,0 +1,116 @@
+"""The numba store held to the reference: same bits for the same operations."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leanstate.accelerated.numba_kv_store import KVStore, _shards_of
+from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.reference.hashing import initial_weights, shards_of
+from leanstate.reference.kv_store import KVStore as ReferenceKVStore
+from leanstate.reference.row_format import unpack_metadata
+from tests.conftest import FakeClock
+from tests.reference.test_kv_store_stateful import KVStoreMachine
+
+int64s = st.integers(-(2**63), 2**63 - 1)
+
+
+class NumbaKVStoreMachine(KVStoreMachine):
+    def make_store(self, dtype, num_shards, clock):
+        return KVStore(5, optimizer_state_dim=2, dtype=dtype, num_shards=num_shards, seed=17, clock=clock)
+
+
+NumbaKVStoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestNumbaKVStore = NumbaKVStoreMachine.TestCase
+
+
+@given(st.lists(int64s, min_size=0, max_size=60), st.integers(1, 2**32 - 1))
+def test_shard_hash_matches_the_reference(ids, num_shards):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    assert torch.equal(torch.from_numpy(_shards_of(ids.numpy(), num_shards)), shards_of(ids, num_shards))
+
+
+@given(
+    st.lists(int64s, min_size=1, max_size=20),
+    st.integers(0, 2**64 - 1),
+    st.integers(1, 40),
+    st.sampled_from([(-0.01, 0.01), (-1.0, 3.0), (0.0, 0.0), (-1e-30, 1e30)]),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_initial_weights_match_the_reference_bit_for_bit(ids, seed, dim, init_range, dtype):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    store = KVStore(dim, seed=seed, init_range=init_range, dtype=dtype)
+    low, high = store.init_range
+    expected = initial_weights(ids, dim, seed=seed, low=low, high=high, dtype=dtype)
+    assert torch.equal(store._initial_weights(ids).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_large_random_workload_matches_the_reference():
+    clock = FakeClock()
+    stores = [
+        cls(24, optimizer_state_dim=3, num_shards=4, seed=5, clock=clock)
+        for cls in (ReferenceKVStore, KVStore)
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(30):
+        ids = torch.randint(-5, 5000, (800,), generator=generator)
+        values = torch.randn(800, 24, generator=generator)
+        deleted = torch.randint(0, 5000, (100,), generator=generator)
+        clock.now += 1
+        for store in stores:
+            store.set(ids, values)
+            store.delete(deleted)
+        if step % 10 == 9:
+            assert torch.equal(stores[0].evict(max_rows=2000), stores[1].evict(max_rows=2000))
+    probe = torch.arange(-3, 5003)
+    ref, fast = stores
+    assert torch.equal(ref.keys(), fast.keys())
+    assert torch.equal(ref.get_rows(probe), fast.get_rows(probe))
+    assert torch.equal(ref.get(probe), fast.get(probe))
+    assert torch.equal(ref.evict(max_rows=1000), fast.evict(max_rows=1000))
+    assert torch.equal(ref.get_rows(probe), fast.get_rows(probe))
+
+
+def test_concurrent_sets_lose_no_update():
+    store = KVStore(4, num_shards=4)
+    ids = torch.arange(256)
+    rounds = 50
+
+    def work():
+        for _ in range(rounds):
+            store.set(ids, torch.ones(256, 4))
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert unpack_metadata(store.metadata(ids))[1].tolist() == [4 * rounds] * 256
+
+
+def test_checkpoint_round_trip_between_backends(tmp_path):
+    src = KVStore(8, optimizer_state_dim=1, clock=FakeClock())
+    src.set(torch.arange(0, 3000, 7), torch.randn(429, 8))
+    save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=4096)
+    ref = ReferenceKVStore(8, optimizer_state_dim=1, num_shards=3)
+    load_checkpoint(tmp_path / "ck", {"t": ref})
+    keys = src.keys()
+    assert torch.equal(ref.get_rows(keys), src.get_rows(keys))
+    save_checkpoint(tmp_path / "back", {"t": ref}, chunk_bytes=4096)
+    assert (tmp_path / "ck" / "t.rows").read_bytes() == (tmp_path / "back" / "t.rows").read_bytes()
+
+
+def test_memory_is_chunks_and_arrays():
+    store = KVStore(128, optimizer_state_dim=1, num_shards=2)
+    store.set(torch.arange(5000), torch.zeros(5000, 128))
+    rows = 5000 * store.layout.row_bytes
+    assert rows <= store.memory_bytes() <= rows + 2 * 1024 * 544 + 5000 * 80
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1], dtype=torch.int32), torch.tensor([[1]])])
+def test_bad_ids_are_rejected_as_in_the_reference(bad):
+    with pytest.raises((TypeError, ValueError), match="KVStore.get: ids"):
+        KVStore(4).get(bad)
