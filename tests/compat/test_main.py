@@ -18,4 +18,5 @@ def test_demo_runs_the_store_scenario():
 
 
 def test_info_explains_the_choice():
-    assert "kv_store: reference" in run("info")
+    out = run("info")
+    assert "kv_store: numba" in out and "chose numba" in out
