@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import torch
 
 from leanstate.reference.kv_store import KVStore
@@ -42,6 +43,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 EXTRA_FILE = "extra.pt"
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+CHECKSUM = "crc32c"
+# name -> incremental checksum(data, running value); "crc32" (zlib) is read, not written.
+_CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {
+    "crc32c": lambda data, crc: crc32c.crc32c(data, value=crc),
+    "crc32": zlib.crc32,
+}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Progress = Callable[[str, int, int], None]
@@ -125,7 +132,7 @@ def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progres
                     "rows": len(rows),
                     "min_id": int(ids[0]),
                     "max_id": int(ids[-1]),
-                    "crc32": zlib.crc32(data),
+                    "crc": _CHECKSUMS[CHECKSUM](data, 0),
                 }
             )
             offset += len(data)
@@ -146,7 +153,7 @@ def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progres
         "bytes": offset,
         "min_id": chunks[0]["min_id"] if chunks else None,
         "max_id": chunks[-1]["max_id"] if chunks else None,
-        "checksum": "crc32",
+        "checksum": CHECKSUM,
         "chunks": chunks,
     }
 
@@ -282,12 +289,13 @@ def _chunks_in_range(table: dict, id_range: tuple[int, int] | None) -> list[tupl
 
 def _read_chunks(
     path: Path, name: str, table: dict, chunks: list[tuple[int, dict]], slice_bytes: int
-) -> Iterator[tuple[int, bytearray]]:
+) -> Iterator[tuple[int, memoryview | None]]:
     """Yield (chunk index, bytes) in slices of whole rows of at most ``slice_bytes``.
 
-    The CRC of each chunk is accumulated over its slices and checked after its last
-    slice, then ``(index, None)`` marks the chunk as verified; the first bad or short
-    chunk raises :class:`CheckpointError`.
+    The checksum of each chunk is accumulated over its slices and checked after its
+    last slice, then ``(index, None)`` marks the chunk as verified; the first bad or
+    short chunk raises :class:`CheckpointError`. The slices share one buffer: each is
+    valid until the next is read.
     """
     file = path / table["file"]
     try:
@@ -296,6 +304,11 @@ def _read_chunks(
         raise CheckpointError(f"table {name!r}: data file {file} is missing") from exc
     row_bytes = table["row_bytes"]
     slice_rows = max(1, slice_bytes // row_bytes)
+    checksum = _CHECKSUMS.get(table.get("checksum"))
+    if checksum is None:
+        f.close()
+        raise CheckpointError(f"table {name!r}: unknown checksum {table.get('checksum')!r} in the manifest")
+    buffer = bytearray(min(slice_rows, max((c["rows"] for _, c in chunks), default=0)) * row_bytes)
     with f:
         size = os.fstat(f.fileno()).st_size
         if size != table["bytes"]:
@@ -308,13 +321,15 @@ def _read_chunks(
             f.seek(chunk["offset"])
             crc = 0
             for first in range(0, chunk["rows"], slice_rows):
-                buffer = bytearray(min(slice_rows, chunk["rows"] - first) * row_bytes)
-                if f.readinto(buffer) != len(buffer):
+                view = memoryview(buffer)[: min(slice_rows, chunk["rows"] - first) * row_bytes]
+                if f.readinto(view) != len(view):
                     raise CheckpointError(f"table {name!r}: {where} is truncated")
-                crc = zlib.crc32(buffer, crc)
-                yield index, buffer
-            if crc != chunk["crc32"]:
-                raise CheckpointError(f"table {name!r}: {where} fails its crc32 check; the file is corrupt")
+                crc = checksum(view, crc)
+                yield index, view
+            if crc != chunk["crc"]:
+                raise CheckpointError(
+                    f"table {name!r}: {where} fails its {table['checksum']} check; the file is corrupt"
+                )
             yield index, None
 
 

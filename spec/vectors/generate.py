@@ -72,7 +72,7 @@ def golden_checkpoint(folder: Path) -> None:
                 "rows": len(group),
                 "min_id": group[0],
                 "max_id": group[-1],
-                "crc32": zlib.crc32(part),
+                "crc": zlib.crc32(part),
             }
         )
     manifest = {

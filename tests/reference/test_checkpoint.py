@@ -5,8 +5,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 
@@ -76,9 +78,23 @@ def test_golden_checkpoint_loads_bit_exactly_and_saves_back_identically(tmp_path
     table = read_manifest(golden)["tables"]["t"]
     save_checkpoint(tmp_path / "again", {"t": store}, chunk_bytes=2 * table["row_bytes"])
     assert (tmp_path / "again" / "t.rows").read_bytes() == raw
-    assert json.loads((tmp_path / "again" / "manifest.json").read_text()) == json.loads(
-        (golden / "manifest.json").read_text()
-    )
+
+    def without_checksums(folder):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        table = manifest["tables"]["t"]
+        algorithm = table.pop("checksum")
+        crcs = [chunk.pop("crc") for chunk in table["chunks"]]
+        return manifest, algorithm, crcs
+
+    golden_manifest, golden_algorithm, golden_crcs = without_checksums(golden)
+    again_manifest, again_algorithm, again_crcs = without_checksums(tmp_path / "again")
+    assert again_manifest == golden_manifest
+    # The golden file uses zlib's CRC-32 (still read); saves write CRC-32C.
+    assert (golden_algorithm, again_algorithm) == ("crc32", "crc32c")
+    chunk = 2 * table["row_bytes"]
+    pieces = [raw[i : i + chunk] for i in range(0, len(raw), chunk)]
+    assert golden_crcs == [zlib.crc32(p) for p in pieces]
+    assert again_crcs == [crc32c.crc32c(p) for p in pieces]
 
 
 def test_saving_the_same_store_twice_gives_the_same_bytes(tmp_path):
@@ -230,7 +246,7 @@ def corrupt(path: Path, how: str) -> None:
     "how, message",
     [
         ("truncated", r"t\.rows has \d+ bytes, the manifest expects \d+ \(truncated\)"),
-        ("flipped", r"chunk 9 of .*t\.rows \(bytes \d+\.\.\d+\) fails its crc32 check"),
+        ("flipped", r"chunk 9 of .*t\.rows \(bytes \d+\.\.\d+\) fails its crc32c check"),
         ("version", r"manifest\.json: format version 99 is not supported"),
         ("outside", r"names file '\.\./evil\.rows' outside the checkpoint directory"),
         ("missing-file", r"data file .*t\.rows is missing"),
