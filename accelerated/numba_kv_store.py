@@ -26,6 +26,7 @@ from leanstate.reference.row_format import RowLayout
 
 _EMPTY = -1
 _TOMBSTONE = -2
+_USED = np.int64(-(2**63))  # bit 63 of the metadata word
 _U64 = np.uint64
 
 
@@ -115,15 +116,28 @@ def _rebuild(table_keys, table_blocks, capacity):
 
 
 @njit(nogil=True, cache=True)
-def _gather(chunks, rows_per_chunk, blocks, out):
+def _gather(chunks, rows_per_chunk, blocks, out, positions):
     for i in range(blocks.shape[0]):
         chunk = chunks[blocks[i] // rows_per_chunk]
-        out[i, :] = chunk[blocks[i] % rows_per_chunk, :]
+        out[positions[i], :] = chunk[blocks[i] % rows_per_chunk, :]
 
 
 @njit(nogil=True, cache=True)
-def _store(table_keys, table_blocks, chunks, rows_per_chunk, keys, blocks, rows, free, free_top, handed_out):
-    """Allocate blocks for keys with block -1, insert them, write every row.
+def _store(
+    table_keys,
+    table_blocks,
+    chunks,
+    rows_per_chunk,
+    keys,
+    blocks,
+    rows,
+    positions,
+    free,
+    free_top,
+    handed_out,
+):
+    """Allocate blocks for keys with block -1, insert them, write each ``rows[positions[i]]``
+    with ``used`` set.
 
     Returns (free_top, handed_out, tombstones reused).
     """
@@ -139,7 +153,9 @@ def _store(table_keys, table_blocks, chunks, rows_per_chunk, keys, blocks, rows,
                 handed_out += 1
             if _insert(table_keys, table_blocks, keys[i], block):
                 reused += 1
-        chunks[block // rows_per_chunk][block % rows_per_chunk, :] = rows[i, :]
+        target = chunks[block // rows_per_chunk][block % rows_per_chunk]
+        target[:] = rows[positions[i], :]
+        target[1] |= _USED
     return free_top, handed_out, reused
 
 
@@ -205,10 +221,10 @@ class _NumbaShard:
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, keys.numpy()))
 
-    def read(self, blocks: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(len(blocks), self.layout.width, dtype=self.layout.dtype)
-        _gather(self.chunks, self.rows_per_chunk, blocks.numpy(), _words(out))
-        return out
+    def read_into(self, blocks: torch.Tensor, out: torch.Tensor, positions: torch.Tensor) -> None:
+        _gather(
+            self.chunks, self.rows_per_chunk, blocks.numpy(), out.view(torch.int64).numpy(), positions.numpy()
+        )
 
     def _reserve(self, new: int) -> None:
         """Room for ``new`` more keys: table at most half full, blocks allocated."""
@@ -222,7 +238,9 @@ class _NumbaShard:
         while fresh > len(self.chunks) * self.rows_per_chunk:
             self.chunks.append(np.zeros((self.rows_per_chunk, self.words), dtype=np.int64))
 
-    def store(self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+    def store(
+        self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         new = int((blocks < 0).sum())
         self._reserve(new)
         self.free_top, self.handed_out, reused = _store(
@@ -233,6 +251,7 @@ class _NumbaShard:
             keys.numpy(),
             blocks.numpy(),
             _words(rows),
+            positions.numpy(),
             self.free,
             self.free_top,
             self.handed_out,

@@ -78,6 +78,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Quick benchmarks: each figure beside its peer, with the ratio and the target."""
+    import pandas as pd
+
+    from leanstate._bench import report
+
+    table = report(rows=args.rows, dim=args.dim, backend=args.backend)
+    with pd.option_context(
+        "display.width", 200, "display.max_columns", None, "display.float_format", "{:.4g}".format
+    ):
+        print(table.to_string(index=False))
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     print(leanstate.backend_info())
     return 0
@@ -92,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dim", type=int, default=128)
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
+    bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
+    bench.add_argument("--rows", type=int, default=200_000)
+    bench.add_argument("--dim", type=int, default=128)
+    bench.add_argument("--backend", default=None)
+    bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path")
     inspect.set_defaults(run=_inspect)

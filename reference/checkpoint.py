@@ -120,7 +120,9 @@ def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progres
     with open(file, "wb") as f:
         for start in range(0, len(keys), rows_per_chunk):
             rows = store.get_rows(keys[start : start + rows_per_chunk])
-            rows = rows[header_words(rows)[:, 1] < 0]  # drop ids deleted since keys() (used=0)
+            used = header_words(rows)[:, 1] < 0
+            if not used.all():
+                rows = rows[used]  # drop ids deleted since keys() listed them
             if len(rows) == 0:
                 continue
             data = _row_bytes(rows)

@@ -39,6 +39,7 @@ from leanstate.reference.row_format import (
 )
 
 ROWS_PER_CHUNK = 1024
+_USED = torch.iinfo(torch.int64).min  # bit 63 of the metadata word
 
 
 def _system_clock() -> int:
@@ -89,24 +90,29 @@ class _Shard:
         for c, positions in zip(chunks.tolist(), torch.split(order, counts.tolist())):
             yield self.chunks[c], positions, blocks[positions] % self.rows_per_chunk
 
-    def read(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Whole rows of ``blocks``."""
-        out = torch.empty(len(blocks), self.width, dtype=self.dtype)
-        for chunk, positions, rows in self._by_chunk(blocks):
-            out[positions] = chunk[rows]
-        return out
+    def read_into(self, blocks: torch.Tensor, out: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy the whole row of ``blocks[i]`` to ``out[positions[i]]``."""
+        for chunk, selected, within in self._by_chunk(blocks):
+            out[positions[selected]] = chunk[within]
 
     def _write(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         for chunk, positions, within in self._by_chunk(blocks):
             chunk[within] = rows[positions]
 
-    def store(self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write whole ``rows`` of distinct ``keys``; ``blocks`` from ``lookup`` (-1: allocate)."""
+    def store(
+        self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Write ``rows[positions[i]]`` as the row of distinct ``keys[i]``, with ``used`` set.
+
+        ``blocks`` comes from ``lookup``; a -1 gets a new block. Every stored row is used.
+        """
         block_list = blocks.tolist()
         for i, key in enumerate(keys.tolist()):
             if block_list[i] < 0:
                 block_list[i] = self.index[key] = self._allocate()
-        self._write(torch.tensor(block_list, dtype=torch.int64), rows)
+        selected = rows[positions]
+        header_words(selected)[:, 1] |= _USED
+        self._write(torch.tensor(block_list, dtype=torch.int64), selected)
 
     def remove(self, keys: torch.Tensor) -> int:
         """Delete distinct keys: zero their blocks and free them. Returns how many were present."""
@@ -336,14 +342,16 @@ class KVStore:
         return self._read_whole(ids, initial_for_missing=False)
 
     def _read_whole(self, ids: torch.Tensor, *, initial_for_missing: bool) -> torch.Tensor:
-        out = torch.zeros(len(ids), self.layout.width, dtype=self.dtype)
+        out = torch.empty(len(ids), self.layout.width, dtype=self.dtype)
+        out[ids < 0] = 0
         for shard, positions, keys in self._by_shard(ids):
             with shard.lock:
                 blocks = shard.lookup(keys)
                 present = blocks >= 0
-                out[positions[present]] = shard.read(blocks[present])
-            if initial_for_missing and not present.all():
-                out[positions[~present]] = self._initial_rows(keys[~present])
+                shard.read_into(blocks[present], out, positions[present])
+            if not present.all():
+                missing = keys[~present]
+                out[positions[~present]] = self._initial_rows(missing) if initial_for_missing else 0
         return out
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
@@ -399,7 +407,7 @@ class KVStore:
                 blocks = shard.lookup(keys)
                 present = blocks >= 0
                 rows = torch.empty(len(keys), self.layout.width, dtype=self.dtype)
-                rows[present] = shard.read(blocks[present])
+                shard.read_into(blocks[present], rows, torch.nonzero(present).flatten())
                 if not present.all():
                     rows[~present] = self._initial_rows(keys[~present], weights=not overwrites_weights)
                 rows[:, start : start + values.shape[1]] = values[source[positions]]
@@ -408,7 +416,7 @@ class KVStore:
                 stamp.fill_(now)
                 count = torch.clamp(count + occurrences[positions], max=COUNT_MAX)
                 header[:, 1] = pack_metadata(stamp, count, torch.ones_like(present))
-                shard.store(keys, blocks, rows)
+                shard.store(keys, blocks, rows, torch.arange(len(keys)))
 
     def set_rows(self, rows: torch.Tensor) -> None:
         """Write whole rows, each keyed by header bytes 0-7 (the checkpoint path).
@@ -425,11 +433,8 @@ class KVStore:
             raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
         unique, last, _ = self._last_occurrences(keys)
         for shard, positions, shard_keys in self._by_shard(unique):
-            chosen = rows[last[positions]]
-            header = header_words(chosen)
-            header[:, 1] |= torch.iinfo(torch.int64).min  # set ``used``
             with shard.lock:
-                shard.store(shard_keys, shard.lookup(shard_keys), chosen)
+                shard.store(shard_keys, shard.lookup(shard_keys), rows, last[positions])
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones are ignored); returns the rows removed."""

@@ -20,3 +20,9 @@ def test_demo_runs_the_store_scenario():
 def test_info_explains_the_choice():
     out = run("info")
     assert "kv_store: numba" in out and "chose numba" in out
+
+
+def test_bench_prints_ratios_beside_peers():
+    out = run("bench", "--rows", "3000", "--dim", "16")
+    for needle in ("dense index_select", "plain write+fsync", "plain read", "whole-row load extra MiB", "ratio"):
+        assert needle in out

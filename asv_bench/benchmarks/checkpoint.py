@@ -1,0 +1,67 @@
+"""Whole-row checkpoints beside plain sequential file I/O, and whole-row vs legacy memory.
+
+Targets (issue: whole-row checkpoints), at 1M rows x 128 fp32 on the fastest backend:
+save and load >= 0.5 x plain throughput (cost ratio <= 2), whole-row load extra memory
+<= 2 x chunk_bytes + 64 MiB, legacy load extra memory >= the table.
+"""
+
+from leanstate._bench import CheckpointIO, best_time, load_peak_extra_bytes
+
+ROWS, DIM, CHUNK = 200_000, 128, 16 * 2**20
+
+
+class CheckpointThroughput:
+    params = (["reference", "numba"],)
+    param_names = ["backend"]
+    timeout = 600
+
+    def setup(self, backend):
+        self.io = CheckpointIO(ROWS, DIM, backend)
+
+    def teardown(self, backend):
+        self.io.close()
+
+    def time_save(self, backend):
+        self.io.save()
+
+    def time_load(self, backend):
+        self.io.load()
+
+    def time_peer_plain_write(self, backend):
+        self.io.write_plain()
+
+    def time_peer_plain_read(self, backend):
+        self.io.read_plain()
+
+    def track_save_cost_vs_plain_write(self, backend):
+        """Save time / plain write time in the same run (target <= 2)."""
+        return best_time(self.io.save, 3) / best_time(self.io.write_plain, 3)
+
+    track_save_cost_vs_plain_write.unit = "ratio"
+
+    def track_load_cost_vs_plain_read(self, backend):
+        """Load time / plain read time in the same run (target <= 2)."""
+        return best_time(self.io.load, 3) / best_time(self.io.read_plain, 3)
+
+    track_load_cost_vs_plain_read.unit = "ratio"
+
+
+class CheckpointLoadMemory:
+    params = (["numba"],)
+    param_names = ["backend"]
+    timeout = 600
+
+    def setup_cache(self):
+        return load_peak_extra_bytes(ROWS, DIM, "numba", CHUNK)
+
+    def track_whole_row_load_extra_bytes(self, memory, backend):
+        """Peak RSS a whole-row load adds to a live store (target <= 2 x chunk + 64 MiB)."""
+        return memory["whole"]
+
+    track_whole_row_load_extra_bytes.unit = "bytes"
+
+    def track_legacy_load_extra_bytes(self, memory, backend):
+        """Peak RSS the legacy load adds (it holds the table: >= 104.8 MB here)."""
+        return memory["legacy"]
+
+    track_legacy_load_extra_bytes.unit = "bytes"

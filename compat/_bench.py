@@ -1,0 +1,237 @@
+"""Workloads shared by the asv benchmarks and ``python -m leanstate bench``.
+
+Every measurement puts leanstate beside a peer measured in the same process, and the
+figure that matters is the ratio. Times are the best of several repeats.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import leanstate
+from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.reference.legacy_checkpoint import save_legacy_checkpoint
+
+
+def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
+    """Best wall time of ``repeat`` calls, in seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def filled_store(rows: int, dim: int, backend: str | None, state_dim: int = 1) -> leanstate.KVStore:
+    """A store holding ids ``0..rows-1`` with random weights."""
+    store = leanstate.KVStore(dim, optimizer_state_dim=state_dim, backend=backend)
+    generator = torch.Generator().manual_seed(0)
+    for start in range(0, rows, 100_000):
+        n = min(100_000, rows - start)
+        store.set(torch.arange(start, start + n), torch.randn(n, dim, generator=generator))
+    return store
+
+
+class KVGetSet:
+    """KV get/set of a batch vs ``index_select``/``index_copy_`` on a dense table (the ceiling)."""
+
+    def __init__(self, rows: int, dim: int, batch: int, backend: str | None) -> None:
+        self.store = filled_store(rows, dim, backend)
+        self.dense = torch.randn(rows, dim)
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, rows, (batch,), generator=generator)
+        self.values = torch.randn(batch, dim, generator=generator)
+        self.dim = dim
+
+    def get(self) -> torch.Tensor:
+        return self.store.get(self.ids, width=self.dim)
+
+    def set(self) -> None:
+        self.store.set(self.ids, self.values)
+
+    def dense_get(self) -> torch.Tensor:
+        return self.dense.index_select(0, self.ids)
+
+    def dense_set(self) -> None:
+        self.dense.index_copy_(0, self.ids, self.values)
+
+
+def plain_write(path: Path, data: np.ndarray, block: int = 64 * 2**20) -> None:
+    """The peer of a save: write the same bytes sequentially and fsync."""
+    view = memoryview(data).cast("B")
+    with open(path, "wb") as f:
+        for offset in range(0, len(view), block):
+            f.write(view[offset : offset + block])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plain_read(path: Path) -> np.ndarray:
+    """The peer of a load: read the same bytes sequentially into fresh memory."""
+    return np.fromfile(path, dtype=np.uint8)
+
+
+class CheckpointIO:
+    """Whole-row save/load vs a plain sequential write/read of the same bytes."""
+
+    def __init__(self, rows: int, dim: int, backend: str | None, chunk_bytes: int = 64 * 2**20) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="leanstate-bench-"))
+        self.store = filled_store(rows, dim, backend)
+        self.backend, self.dim, self.chunk_bytes = backend, dim, chunk_bytes
+        self.path = self.folder / "ckpt"
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=chunk_bytes)
+        self.bytes = np.fromfile(self.path / "t.rows", dtype=np.uint8)
+        self.plain = self.folder / "plain.bin"
+        plain_write(self.plain, self.bytes)
+
+    def save(self) -> None:
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes)
+
+    def load(self) -> None:
+        target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
+        load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes)
+
+    def write_plain(self) -> None:
+        plain_write(self.plain, self.bytes)
+
+    def read_plain(self) -> None:
+        plain_read(self.plain)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_MEMORY_PROBE = """
+import ctypes, gc, json, sys, torch, leanstate
+from leanstate.reference.checkpoint import load_checkpoint
+from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint
+kind, path, rows, dim, backend, chunk = sys.argv[1:7]
+rows, dim, chunk = int(rows), int(dim), int(chunk)
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+store = leanstate.KVStore(dim, optimizer_state_dim=1, backend=backend)
+for start in range(0, rows, 100_000):  # a live store that already holds the rows
+    n = min(100_000, rows - start)
+    store.set(torch.arange(start, start + n), torch.zeros(n, dim))
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+base = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+if kind == "whole":
+    load_checkpoint(path, {"t": store}, chunk_bytes=chunk)
+else:
+    load_legacy_checkpoint(path, {"t": store})
+print(json.dumps({"extra": status("VmHWM") - base}))
+"""
+
+
+def load_peak_extra_bytes(rows: int, dim: int, backend: str, chunk_bytes: int) -> dict[str, int]:
+    """Peak RSS a load adds to a live store holding the rows: whole-row vs legacy, in bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="leanstate-mem-"))
+    try:
+        store = filled_store(rows, dim, backend)
+        save_checkpoint(folder / "whole", {"t": store}, chunk_bytes=chunk_bytes)
+        save_legacy_checkpoint(folder / "legacy", {"t": store})
+        del store
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        out = {}
+        for kind in ("whole", "legacy"):
+            args = [kind, str(folder / kind), str(rows), str(dim), backend, str(chunk_bytes)]
+            done = subprocess.run(
+                [sys.executable, "-c", _MEMORY_PROBE, *args], capture_output=True, text=True, check=True
+            )
+            out[kind] = json.loads(done.stdout)["extra"]
+        return out
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def report(rows: int = 200_000, dim: int = 128, batch: int = 16_384, backend: str | None = None):
+    """Run the quick versions and return a pandas DataFrame of figures, ratios and targets."""
+    import pandas as pd
+
+    backend = backend or leanstate.backend_info().chosen["kv_store"]
+    lines = []
+    kv = KVGetSet(rows, dim, batch, backend)
+    for op, ours, peer, name in (
+        ("get", kv.get, kv.dense_get, "index_select"),
+        ("set", kv.set, kv.dense_set, "index_copy_"),
+    ):
+        t_ours, t_peer = best_time(ours), best_time(peer)
+        lines.append(
+            (
+                "kv_store",
+                f"{op} {batch} ids ({backend})",
+                t_ours,
+                f"dense {name}",
+                t_peer,
+                t_peer / t_ours,
+                "report",
+            )
+        )
+    del kv
+    io = CheckpointIO(rows, dim, backend)
+    try:
+        for op, ours, peer, name in (
+            ("save", io.save, io.write_plain, "plain write+fsync"),
+            ("load", io.load, io.read_plain, "plain read"),
+        ):
+            t_ours, t_peer = best_time(ours, 3), best_time(peer, 3)
+            lines.append(
+                (
+                    "checkpoint",
+                    f"{op} {rows} rows ({backend})",
+                    t_ours,
+                    name,
+                    t_peer,
+                    t_peer / t_ours,
+                    ">= 0.5",
+                )
+            )
+    finally:
+        io.close()
+    chunk = 16 * 2**20
+    memory = load_peak_extra_bytes(rows, dim, backend, chunk)
+    table = rows * 544
+    lines.append(
+        (
+            "checkpoint",
+            "whole-row load extra MiB",
+            memory["whole"] / 2**20,
+            "2*chunk+64 MiB",
+            (2 * chunk + 64 * 2**20) / 2**20,
+            (2 * chunk + 64 * 2**20) / max(memory["whole"], 1),
+            ">= 1",
+        )
+    )
+    lines.append(
+        (
+            "checkpoint",
+            "legacy load extra MiB",
+            memory["legacy"] / 2**20,
+            "table MiB",
+            table / 2**20,
+            memory["legacy"] / table,
+            ">= 1",
+        )
+    )
+    return pd.DataFrame(
+        lines, columns=["component", "measure", "leanstate", "peer", "peer value", "ratio", "target"]
+    )
