@@ -209,7 +209,7 @@ def report(rows: int = 200_000, dim: int = 128, batch: int = 16_384, backend: st
         io.close()
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
-    table = rows * 544
+    table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
     lines.append(
         (
             "checkpoint",
