@@ -24,5 +24,11 @@ def test_info_explains_the_choice():
 
 def test_bench_prints_ratios_beside_peers():
     out = run("bench", "--rows", "3000", "--dim", "16")
-    for needle in ("dense index_select", "plain write+fsync", "plain read", "whole-row load extra MiB", "ratio"):
+    for needle in (
+        "dense index_select",
+        "plain write+fsync",
+        "plain read",
+        "whole-row load extra MiB",
+        "ratio",
+    ):
         assert needle in out

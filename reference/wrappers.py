@@ -1,0 +1,318 @@
+"""Activation wrappers: checkpoint (recompute) and offload (move saved activations to host).
+
+Torch's names and behaviour (``torch.distributed.algorithms._checkpoint.
+checkpoint_wrapper``), with these fixes:
+
+- module kwargs always reach the module, whatever their name (torch's checkpoint
+  swallows ``debug``, ``preserve_rng_state``, ``use_reentrant``, ``context_fn``...);
+- the wrapper is invisible in names: ``state_dict``, ``named_parameters``,
+  ``named_buffers`` and ``named_modules`` of the wrapper or of any parent are those of
+  the unwrapped model;
+- applying checkpointing twice does not wrap twice; the root is never wrapped;
+- offload never copies parameters, buffers, tensors below ``min_offload_bytes`` or
+  tensors already on the host; a storage shared by several saved views is copied once;
+  host memory comes from a :class:`PinnedMemoryPool` bounded by ``pinned_budget_bytes``.
+
+Composition, as with torch: checkpoint the blocks, then offload the rest::
+
+    >>> apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    >>> model = offload_wrapper(model)
+
+See ``spec/wrappers.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from enum import Enum, auto
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from leanstate.reference.pinned_pool import HostBuffer, PinnedMemoryPool
+
+WRAPPED = "_checkpoint_wrapped_module"
+DEFAULT_MIN_OFFLOAD_BYTES = 2**16
+
+
+class CheckpointImpl(Enum):
+    """Which ``torch.utils.checkpoint`` implementation a :class:`CheckpointWrapper` uses."""
+
+    REENTRANT = auto()
+    NO_REENTRANT = auto()
+
+
+class ActivationWrapper(nn.Module):
+    """Base of the wrappers: holds the module and hides itself from names.
+
+    Attribute and index access fall through to the wrapped module.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module = module
+        self._register_load_state_dict_pre_hook(_add_wrapped_prefix)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[WRAPPED], name)
+
+    def __getitem__(self, index):
+        return self._checkpoint_wrapped_module[index]
+
+    def __len__(self) -> int:
+        return len(self._checkpoint_wrapped_module)
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True) -> Iterator:
+        # The wrapped module takes the wrapper's place and name; parameters, buffers and
+        # every parent's listing follow, as they go through named_modules.
+        yield from self._checkpoint_wrapped_module.named_modules(memo, prefix, remove_duplicate)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self._checkpoint_wrapped_module.state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+
+
+def _add_wrapped_prefix(state_dict, prefix, *_):
+    """Load pre-hook: ``<prefix>x`` -> ``<prefix>_checkpoint_wrapped_module.x``."""
+    inner = f"{prefix}{WRAPPED}."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+class CheckpointWrapper(ActivationWrapper):
+    """Recompute the wrapped module in backward instead of keeping its activations.
+
+    Args:
+        module: the module to checkpoint.
+        checkpoint_impl: ``NO_REENTRANT`` (default) or ``REENTRANT``.
+        checkpoint_fn: a ``checkpoint(function, *args, **kwargs)``-like function;
+            default ``torch.utils.checkpoint.checkpoint`` with ``use_reentrant`` set
+            from ``checkpoint_impl``.
+        **checkpoint_fn_kwargs: passed to ``checkpoint_fn`` (e.g. ``preserve_rng_state``).
+
+    The module's own kwargs are passed to it by closure, never to ``checkpoint_fn``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
+        checkpoint_fn: Callable | None = None,
+        **checkpoint_fn_kwargs,
+    ) -> None:
+        super().__init__(module)
+        self.checkpoint_impl = checkpoint_impl
+        if checkpoint_fn is None:
+            reentrant = checkpoint_impl == CheckpointImpl.REENTRANT
+            checkpoint_fn = functools.partial(torch_checkpoint, use_reentrant=reentrant)
+        self.checkpoint_fn = functools.partial(checkpoint_fn, **checkpoint_fn_kwargs)
+
+    def forward(self, *args, **kwargs):
+        module = self._checkpoint_wrapped_module
+        if not torch.is_grad_enabled():
+            return module(*args, **kwargs)
+        names, count = tuple(kwargs), len(args)
+
+        def run(*flat):
+            return module(*flat[:count], **dict(zip(names, flat[count:], strict=True)))
+
+        # Kwarg values travel positionally, so the reentrant implementation also
+        # computes their gradients; the names stay in the closure.
+        return self.checkpoint_fn(run, *args, *kwargs.values())
+
+
+class _HostCopy:
+    """One offloaded storage: its bytes on the host, returned to the pool when unused."""
+
+    def __init__(self, buffer: HostBuffer, pool: PinnedMemoryPool, device: torch.device) -> None:
+        self.buffer = buffer
+        self.pool = pool
+        self.device = device
+        self.restored: weakref.ref | None = None  # the device copy, shared by its views
+
+    def to_device(self) -> torch.Tensor:
+        restored = self.restored() if self.restored is not None else None
+        if restored is None:
+            restored = self.buffer.data.to(self.device, non_blocking=self.pool.pin)
+            self.restored = weakref.ref(restored)
+        return restored
+
+    def __del__(self) -> None:
+        self.pool.release(self.buffer)
+
+
+class _Packed:
+    """A saved tensor whose storage is offloaded: how to rebuild the view."""
+
+    __slots__ = ("copy", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, copy: _HostCopy, tensor: torch.Tensor) -> None:
+        self.copy = copy
+        self.dtype = tensor.dtype
+        self.shape = tensor.shape
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+class OffloadStats:
+    """Counters of an :class:`OffloadWrapper`, in bytes."""
+
+    def __init__(self) -> None:
+        self.offloaded_bytes = 0  # storage bytes copied to the host
+        self.kept_bytes = 0  # saved tensors left in place (parameters, small, on host)
+
+    def __repr__(self) -> str:
+        return f"OffloadStats(offloaded_bytes={self.offloaded_bytes}, kept_bytes={self.kept_bytes})"
+
+
+class OffloadWrapper(ActivationWrapper):
+    """Move the wrapped module's saved activations to host memory until backward.
+
+    Args:
+        module: the module whose forward is wrapped.
+        pin_memory: page-locked host buffers (``"auto"``: when CUDA is available).
+        min_offload_bytes: saved tensors smaller than this stay where they are.
+        pinned_budget_bytes: cap of the host-buffer pool; past it, pageable memory.
+        pool: a pool to use instead of a new one (e.g. shared, or with a test allocator).
+    """
+
+    # Treat host tensors as if they were on a device (so the copy path runs without a GPU).
+    _offload_host_tensors = False
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        pin_memory: bool | str = "auto",
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        pinned_budget_bytes: int | None = None,
+        pool: PinnedMemoryPool | None = None,
+    ) -> None:
+        super().__init__(module)
+        if min_offload_bytes < 0:
+            raise ValueError(f"min_offload_bytes must be >= 0; got {min_offload_bytes}")
+        self.min_offload_bytes = min_offload_bytes
+        self.pool = pool or PinnedMemoryPool(pinned_budget_bytes, pin=pin_memory)
+        self.stats = OffloadStats()
+
+    def _module_storages(self) -> set[int]:
+        module = self._checkpoint_wrapped_module
+        tensors = [*module.parameters(), *module.buffers()]
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def forward(self, *args, **kwargs):
+        module = self._checkpoint_wrapped_module
+        if not (torch.is_grad_enabled() and self.training):
+            return module(*args, **kwargs)
+        keep = self._module_storages()
+        copies: dict[int, _HostCopy] = {}  # this forward's offloaded storages, by address
+
+        def pack(tensor: torch.Tensor):
+            nbytes = tensor.numel() * tensor.element_size()
+            storage = tensor.untyped_storage()
+            on_host = tensor.device.type == "cpu" and not self._offload_host_tensors
+            if on_host or nbytes < self.min_offload_bytes or storage.data_ptr() in keep:
+                self.stats.kept_bytes += nbytes
+                return tensor
+            copy = copies.get(storage.data_ptr())
+            if copy is None:
+                buffer = self.pool.acquire(storage.nbytes())
+                source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+                buffer.data.copy_(source)
+                copy = copies[storage.data_ptr()] = _HostCopy(buffer, self.pool, tensor.device)
+                self.stats.offloaded_bytes += storage.nbytes()
+            return _Packed(copy, tensor)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            storage = packed.copy.to_device().untyped_storage()
+            view = torch.empty(0, dtype=packed.dtype, device=packed.copy.device)
+            return view.set_(storage, packed.offset, packed.shape, packed.stride)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return module(*args, **kwargs)
+
+
+def checkpoint_wrapper(
+    module: nn.Module,
+    checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
+    checkpoint_fn: Callable | None = None,
+    **checkpoint_fn_kwargs,
+) -> CheckpointWrapper:
+    """Wrap ``module`` in a :class:`CheckpointWrapper` (torch's signature).
+
+    Example::
+
+        >>> block = checkpoint_wrapper(nn.Linear(4, 4))
+        >>> block(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    """
+    return CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)
+
+
+def offload_wrapper(
+    module: nn.Module,
+    *,
+    pin_memory: bool | str = "auto",
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    pinned_budget_bytes: int | None = None,
+    pool: PinnedMemoryPool | None = None,
+) -> OffloadWrapper:
+    """Wrap ``module`` in an :class:`OffloadWrapper`.
+
+    Example::
+
+        >>> model = offload_wrapper(model, pinned_budget_bytes=2**30)
+    """
+    return OffloadWrapper(
+        module,
+        pin_memory=pin_memory,
+        min_offload_bytes=min_offload_bytes,
+        pinned_budget_bytes=pinned_budget_bytes,
+        pool=pool,
+    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] = checkpoint_wrapper,
+    check_fn: Callable[[nn.Module], bool] = lambda _: True,
+    auto_wrap_policy: Callable | None = None,
+) -> None:
+    """Wrap, in place, the submodules of ``model`` chosen by ``check_fn`` and the policy.
+
+    A submodule is wrapped when ``check_fn(m)`` holds and, if given,
+    ``auto_wrap_policy(module=m, recurse=False, nonwrapped_numel=...)`` holds (torch's
+    policy signature; ``ModuleWrapPolicy`` works). The root is never wrapped, a wrapped
+    module is not searched further, and modules already wrapped are left alone, so
+    applying twice changes nothing.
+    """
+
+    def chosen(module: nn.Module) -> bool:
+        if not check_fn(module):
+            return False
+        return auto_wrap_policy is None or bool(
+            auto_wrap_policy(module=module, recurse=False, nonwrapped_numel=_numel(module))
+        )
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent._modules.items()):
+            if child is None or isinstance(child, ActivationWrapper):
+                continue
+            if chosen(child):
+                setattr(parent, name, checkpoint_wrapper_fn(child))
+            else:
+                visit(child)
+
+    visit(model._checkpoint_wrapped_module if isinstance(model, ActivationWrapper) else model)
