@@ -2,10 +2,10 @@
 
 Buffers are reused by size class (the next power of two, at least 4 KiB), so after the
 first training step the pool stops allocating. The cap counts the real bytes of every
-buffer the pool holds, idle or in use; past it, idle buffers of other classes are
-dropped to make room, and if that is not enough the request falls back to ordinary
-pageable memory (counted in ``fallback_bytes``), never over the cap (pytorch#86097:
-pinned memory over-allocated by an offloader starves the host).
+buffer the pool holds, idle or in use; a request that does not fit falls back to
+ordinary pageable memory (counted in ``fallback_bytes``), never over the cap
+(pytorch#86097: pinned memory over-allocated by an offloader starves the host). Idle
+buffers are kept, not traded for other sizes, so the same step finds the same buffers.
 
 The allocator is injectable, so the cap is testable without a GPU.
 
@@ -79,13 +79,6 @@ class PinnedMemoryPool:
             f"in_use={self.in_use_bytes}, high_water={self.high_water_bytes}, fallback={self.fallback_bytes})"
         )
 
-    def _drop_idle_for(self, needed: int) -> None:
-        """Free idle buffers, largest first, until ``needed`` more bytes fit the cap."""
-        for cls in sorted(self._idle, reverse=True):
-            while self._idle[cls] and self.pooled_bytes + needed > self.budget_bytes:
-                self._idle[cls].pop()
-                self.pooled_bytes -= cls
-
     def acquire(self, nbytes: int) -> HostBuffer:
         """A host buffer of ``nbytes``: a pooled one of its size class, or a pageable fallback."""
         cls = size_class(nbytes)
@@ -93,8 +86,6 @@ class PinnedMemoryPool:
             if self._idle[cls]:
                 buffer = self._idle[cls].pop()
             else:
-                if self.budget_bytes is not None and self.pooled_bytes + cls > self.budget_bytes:
-                    self._drop_idle_for(cls)
                 if self.budget_bytes is not None and self.pooled_bytes + cls > self.budget_bytes:
                     self.fallback_bytes += nbytes
                     return HostBuffer(_pageable(nbytes), None)

@@ -212,7 +212,10 @@ class OffloadWrapper(ActivationWrapper):
         if not (torch.is_grad_enabled() and self.training):
             return module(*args, **kwargs)
         keep = self._module_storages()
-        copies: dict[int, _HostCopy] = {}  # this forward's offloaded storages, by address
+        # This forward's offloaded storages by address, with a weak reference to the
+        # storage: an address is only trusted while that storage lives (once freed, a
+        # new tensor may get the same address).
+        copies: dict[int, tuple[weakref.ref, _HostCopy]] = {}
 
         def pack(tensor: torch.Tensor):
             nbytes = tensor.numel() * tensor.element_size()
@@ -221,12 +224,13 @@ class OffloadWrapper(ActivationWrapper):
             if on_host or nbytes < self.min_offload_bytes or storage.data_ptr() in keep:
                 self.stats.kept_bytes += nbytes
                 return tensor
-            copy = copies.get(storage.data_ptr())
-            if copy is None:
+            alive, copy = copies.get(storage.data_ptr(), (None, None))
+            if alive is None or alive() is not storage:
                 buffer = self.pool.acquire(storage.nbytes())
                 source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
                 buffer.data.copy_(source)
-                copy = copies[storage.data_ptr()] = _HostCopy(buffer, self.pool, tensor.device)
+                copy = _HostCopy(buffer, self.pool, tensor.device)
+                copies[storage.data_ptr()] = (weakref.ref(storage), copy)
                 self.stats.offloaded_bytes += storage.nbytes()
             return _Packed(copy, tensor)
 
