@@ -16,10 +16,47 @@ Example::
 
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._dispatch import BackendDispatch
+from leanstate.reference.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    row_wise_id_range,
+    save_checkpoint,
+)
 from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
+from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout
+from leanstate.reference.wrappers import (
+    ActivationWrapper,
+    CheckpointImpl,
+    CheckpointWrapper,
+    OffloadWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    offload_wrapper,
+)
 
-__all__ = ["BackendInfo", "KVStore", "KVTensor", "RowLayout", "backend_info"]
+__all__ = [
+    "ActivationWrapper",
+    "BackendInfo",
+    "CheckpointError",
+    "CheckpointImpl",
+    "CheckpointWrapper",
+    "KVStore",
+    "KVTensor",
+    "OffloadWrapper",
+    "PinnedMemoryPool",
+    "RowLayout",
+    "apply_activation_checkpointing",
+    "backend_info",
+    "checkpoint_wrapper",
+    "load_checkpoint",
+    "load_legacy_checkpoint",
+    "offload_wrapper",
+    "row_wise_id_range",
+    "save_checkpoint",
+    "save_legacy_checkpoint",
+]
 
 
 class KVStore(metaclass=BackendDispatch):
