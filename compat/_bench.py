@@ -163,74 +163,152 @@ def load_peak_extra_bytes(rows: int, dim: int, backend: str, chunk_bytes: int) -
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def report(rows: int = 200_000, dim: int = 128, batch: int = 16_384, backend: str | None = None):
-    """Run the quick versions and return a pandas DataFrame of figures, ratios and targets."""
+class WrapperStep:
+    """A training step of a transformer stack, plain or wrapped by leanstate's or torch's wrappers."""
+
+    VARIANTS = ("none", "checkpoint", "torch_checkpoint", "offload", "torch_offload")
+
+    def __init__(self, variant: str, layers: int = 6, d: int = 512, seq: int = 256, batch: int = 8) -> None:
+        from torch import nn
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
+
+        torch.manual_seed(0)
+        self.model = nn.Sequential(
+            *(nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.1, batch_first=True) for _ in range(layers))
+        )
+
+        def is_layer(module):
+            return isinstance(module, nn.TransformerEncoderLayer)
+
+        if variant == "checkpoint":
+            leanstate.apply_activation_checkpointing(self.model, check_fn=is_layer)
+        elif variant == "torch_checkpoint":
+            torch_wrappers.apply_activation_checkpointing(self.model, check_fn=is_layer)
+        elif variant == "offload":
+            self.model = leanstate.offload_wrapper(self.model)
+        elif variant == "torch_offload":
+            self.model = torch_wrappers.offload_wrapper(self.model)
+        self.x = torch.randn(batch, seq, d)
+
+    def step(self) -> None:
+        torch.manual_seed(1)
+        self.model(self.x).sum().backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def saved_bytes(self) -> int:
+        """Bytes allocated by a forward and still held when it returns (its saved state)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.manual_seed(1)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = self.model(self.x)
+        del out
+        return sum(event.self_cpu_memory_usage for event in prof.events())
+
+
+def report(
+    rows: int = 200_000,
+    dim: int = 128,
+    batch: int = 16_384,
+    backend: str | None = None,
+    wrapper_batch: int = 2,
+):
+    """Run the quick versions; a DataFrame of leanstate vs peer, ratio = leanstate / peer."""
     import pandas as pd
 
     backend = backend or leanstate.backend_info().chosen["kv_store"]
     lines = []
+
+    def add(component, measure, ours, peer_name, peer, target):
+        lines.append((component, measure, ours, peer_name, peer, ours / peer, target))
+
     kv = KVGetSet(rows, dim, batch, backend)
-    for op, ours, peer, name in (
-        ("get", kv.get, kv.dense_get, "index_select"),
-        ("set", kv.set, kv.dense_set, "index_copy_"),
-    ):
-        t_ours, t_peer = best_time(ours), best_time(peer)
-        lines.append(
-            (
-                "kv_store",
-                f"{op} {batch} ids ({backend})",
-                t_ours,
-                f"dense {name}",
-                t_peer,
-                t_peer / t_ours,
-                "report",
-            )
-        )
+    add(
+        "kv_store",
+        f"get {batch} ids ({backend}) s",
+        best_time(kv.get),
+        "dense index_select",
+        best_time(kv.dense_get),
+        "report",
+    )
+    add(
+        "kv_store",
+        f"set {batch} ids ({backend}) s",
+        best_time(kv.set),
+        "dense index_copy_",
+        best_time(kv.dense_set),
+        "report",
+    )
     del kv
     io = CheckpointIO(rows, dim, backend)
     try:
-        for op, ours, peer, name in (
-            ("save", io.save, io.write_plain, "plain write+fsync"),
-            ("load", io.load, io.read_plain, "plain read"),
-        ):
-            t_ours, t_peer = best_time(ours, 3), best_time(peer, 3)
-            lines.append(
-                (
-                    "checkpoint",
-                    f"{op} {rows} rows ({backend})",
-                    t_ours,
-                    name,
-                    t_peer,
-                    t_peer / t_ours,
-                    ">= 0.5",
-                )
-            )
+        add(
+            "checkpoint",
+            f"save {rows} rows ({backend}) s",
+            best_time(io.save, 3),
+            "plain write+fsync",
+            best_time(io.write_plain, 3),
+            "<= 2",
+        )
+        add(
+            "checkpoint",
+            f"load {rows} rows ({backend}) s",
+            best_time(io.load, 3),
+            "plain read",
+            best_time(io.read_plain, 3),
+            "<= 2",
+        )
     finally:
         io.close()
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
-    lines.append(
-        (
-            "checkpoint",
-            "whole-row load extra MiB",
-            memory["whole"] / 2**20,
-            "2*chunk+64 MiB",
-            (2 * chunk + 64 * 2**20) / 2**20,
-            (2 * chunk + 64 * 2**20) / max(memory["whole"], 1),
-            ">= 1",
-        )
+    add(
+        "checkpoint",
+        "whole-row load extra MiB",
+        memory["whole"] / 2**20,
+        "2 x chunk + 64 MiB",
+        (2 * chunk + 64 * 2**20) / 2**20,
+        "<= 1",
     )
-    lines.append(
-        (
-            "checkpoint",
-            "legacy load extra MiB",
-            memory["legacy"] / 2**20,
-            "table MiB",
-            table / 2**20,
-            memory["legacy"] / table,
-            ">= 1",
-        )
+    add("checkpoint", "legacy load extra MiB", memory["legacy"] / 2**20, "table MiB", table / 2**20, ">= 1")
+    steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
+    times = {v: best_time(w.step, 2) for v, w in steps.items()}
+    saved = {v: w.saved_bytes() for v, w in steps.items()}
+    add(
+        "wrappers",
+        f"checkpoint step s (batch {wrapper_batch})",
+        times["checkpoint"],
+        "torch checkpoint_wrapper",
+        times["torch_checkpoint"],
+        "<= 1.05",
+    )
+    add(
+        "wrappers",
+        "checkpoint saved MiB",
+        saved["checkpoint"] / 2**20,
+        "torch checkpoint_wrapper",
+        saved["torch_checkpoint"] / 2**20,
+        "== 1",
+    )
+    add(
+        "wrappers", "offload saved MiB", saved["offload"] / 2**20, "no wrapper", saved["none"] / 2**20, "== 1"
+    )
+    add(
+        "wrappers",
+        "torch offload saved MiB",
+        saved["torch_offload"] / 2**20,
+        "no wrapper",
+        saved["none"] / 2**20,
+        "(torch: > 1)",
+    )
+    add(
+        "wrappers",
+        f"offload step s (batch {wrapper_batch})",
+        times["offload"],
+        "torch offload_wrapper",
+        times["torch_offload"],
+        "report",
     )
     return pd.DataFrame(
         lines, columns=["component", "measure", "leanstate", "peer", "peer value", "ratio", "target"]
