@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,18 @@ def _demo(args: argparse.Namespace) -> int:
     store.set(ids[: rows // 4], store.get(ids[: rows // 4], width=dim))  # touch a quarter again
     evicted = store.evict(max_rows=rows // 2)
     print(f"evict(max_rows={rows // 2}) removed {len(evicted)} rows, least-used first; {len(store)} remain")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "ckpt"
+        leanstate.save_checkpoint(path, {"table": store}, chunk_bytes=4 * 2**20)
+        fresh = leanstate.KVStore(dim, optimizer_state_dim=1, num_shards=3)
+        leanstate.load_checkpoint(path, {"table": fresh}, chunk_bytes=4 * 2**20)
+        keys = store.keys()
+        same = torch.equal(fresh.get_rows(keys).view(torch.uint8), store.get_rows(keys).view(torch.uint8))
+        size = (path / "table.rows").stat().st_size
+        print(
+            f"whole-row checkpoint: {size / 2**20:.1f} MiB saved and streamed back in 4 MiB chunks "
+            f"into a 3-shard store; rows and headers identical: {same}"
+        )
     return 0
 
 

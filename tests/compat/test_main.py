@@ -15,6 +15,7 @@ def test_demo_runs_the_store_scenario():
     assert "filled     2000/2000 rows" in out
     assert "header of 0: timestamp=" in out and "count=1 used=True" in out
     assert "evict(max_rows=1000) removed 1000 rows" in out and "1000 remain" in out
+    assert "rows and headers identical: True" in out
 
 
 def test_info_explains_the_choice():
