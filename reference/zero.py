@@ -1,0 +1,302 @@
+"""ZeRO stage 1: optimizer state sharded across data-parallel ranks, torch-compatible.
+
+Same constructor, methods and state-dict format as
+``torch.distributed.optim.ZeroRedundancyOptimizer``: every rank holds all parameters and
+their gradients, but each parameter's optimizer state lives on one rank, which steps it
+and then broadcasts it. The partition is torch's: within each parameter group, largest
+first, each parameter to the rank with the fewest elements so far.
+
+Differences from torch (each a fix, see ``spec/zero.md``): ``load_state_dict`` never
+mutates the caller's dict and leaves no ``None`` in ``.state``; consolidation gathers
+to the target rank only and moves bytes with ``torch.frombuffer``; ``clip_grad_norm_``
+across shards with one all-reduce; parameter groups may be given as dicts.
+
+Example (on every rank)::
+
+    >>> optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    >>> loss.backward(); optimizer.step()
+    >>> optimizer.consolidate_state_dict(to=0)
+    >>> if rank == 0: torch.save(optimizer.state_dict(), "optim.pt")  # loads into torch.optim.Adam
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+
+def _trainable(param: torch.Tensor) -> bool:
+    return param.requires_grad
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wrap ``optimizer_class`` so that each rank keeps the state of its shard only.
+
+    Args:
+        params: parameters, or parameter-group dicts, identical on every rank.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass; the local one is ``.optim``.
+        process_group: the data-parallel group (default: the world).
+        parameters_as_bucket_view: each rank's trainable parameters on a device are
+            views of one flat buffer, broadcast in one collective per rank per step.
+        **defaults: the optimizer's arguments (``lr``, ``betas``...).
+    """
+
+    backend = "reference"
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        optimizer_class: type[Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        **defaults: Any,
+    ) -> None:
+        self._initialized = False
+        super().__init__(params, defaults)
+        if not self.param_groups or not any(g["params"] for g in self.param_groups):
+            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._optimizer_class = optimizer_class
+        self._defaults = defaults
+        self._partition: list[list[dict]] = self._partition_groups()
+        self.optim: Optimizer = optimizer_class(self._partition[self.rank], **defaults)
+        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._trainable_mask = self._mask()
+        self._buckets: dict[torch.device, list[torch.Tensor]] = {}
+        self._build_buckets()
+        self._gathered: list[dict] | None = None
+        self._initialized = True
+
+    # -- partition ------------------------------------------------------------------
+
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _mask(self) -> list[bool]:
+        return [_trainable(p) for p in self._all_params]
+
+    def _partition_groups(self) -> list[list[dict]]:
+        """Per rank, its param groups: each group's params, largest first, greedily."""
+        sizes = [0] * self.world_size
+        per_rank: list[list[dict]] = [[] for _ in range(self.world_size)]
+        for group in self.param_groups:
+            assigned: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+            for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+                rank = sizes.index(min(sizes))
+                assigned[rank].append(param)
+                sizes[rank] += param.numel()
+            for rank in range(self.world_size):
+                per_rank[rank].append({**group, "params": assigned[rank]})
+        return per_rank
+
+    def _owner(self) -> dict[torch.Tensor, int]:
+        return {p: rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
+
+    def _global_rank(self, rank: int) -> int:
+        return (
+            dist.get_global_rank(self.process_group, rank)
+            if self.process_group is not dist.group.WORLD
+            else rank
+        )
+
+    @staticmethod
+    def _sync_hyperparameters(source: list[dict], target: list[dict]) -> None:
+        for src, dst in zip(source, target, strict=True):
+            for key, value in src.items():
+                if key != "params":
+                    dst[key] = value
+
+    # -- buckets ----------------------------------------------------------------------
+
+    def _build_buckets(self) -> None:
+        """One flat buffer per device per rank holding that rank's trainable parameters."""
+        if not self.parameters_as_bucket_view:
+            return
+        self._buckets = {}
+        devices = {p.device for p in self._all_params}
+        for device in sorted(devices, key=str):
+            buckets = []
+            for groups in self._partition:
+                params = [p for g in groups for p in g["params"] if p.device == device]
+                trainable = [p for p in params if _trainable(p)]
+                for frozen in (p for p in params if not _trainable(p)):
+                    frozen.data = frozen.data.detach().clone()  # out of any old bucket
+                dtypes = {p.dtype for p in trainable}
+                if len(dtypes) > 1:
+                    raise ValueError(
+                        f"parameters_as_bucket_view needs one dtype per device; {device} has {dtypes}"
+                    )
+                dtype = dtypes.pop() if dtypes else torch.float32
+                bucket = torch.empty(max(1, sum(p.numel() for p in trainable)), dtype=dtype, device=device)
+                offset = 0
+                for param in trainable:
+                    view = bucket[offset : offset + param.numel()].view_as(param)
+                    view.copy_(param.data)
+                    param.data = view
+                    offset += param.numel()
+                buckets.append(bucket)
+            self._buckets[device] = buckets
+
+    # -- step -------------------------------------------------------------------------
+
+    def _broadcast(self) -> None:
+        """Each rank's updated shard to every rank: per bucket, or per parameter."""
+        works = []
+        for rank in range(self.world_size):
+            source = self._global_rank(rank)
+            if self.parameters_as_bucket_view:
+                tensors = [buckets[rank] for buckets in self._buckets.values()]
+            else:
+                tensors = [p.data for g in self._partition[rank] for p in g["params"]]
+            works += [dist.broadcast(t, src=source, group=self.process_group, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step this rank's shard, then broadcast every shard. Call on every rank."""
+        mask = self._mask()
+        if mask != self._trainable_mask:
+            self._build_buckets()
+            self._trainable_mask = mask
+        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
+        loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._broadcast()
+        return loss
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group on every rank; earlier groups keep their ranks, so nothing moves."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return
+        self._partition = self._partition_groups()
+        self.optim.add_param_group(self._partition[self.rank][-1])
+        self._trainable_mask = self._mask()
+        self._build_buckets()
+
+    # -- clipping ---------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, with one all-reduce.
+
+        Each rank computes the norms of its shard's gradients; one all-reduce of the
+        per-parameter norms (zeros elsewhere, so the sum is exact) gives every rank the
+        same vector, reduced exactly as torch does. Every rank scales every gradient.
+        """
+        params = [p for p in self._all_params if p.grad is not None]
+        if not params:
+            return torch.tensor(0.0)
+        owner = self._owner()
+        mine = [i for i, p in enumerate(params) if owner[p] == self.rank]
+        norm_type = float(norm_type)
+        norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].grad.device)
+        if mine:
+            local = torch._foreach_norm([params[i].grad for i in mine], norm_type)
+            norms[mine] = torch.stack(local).to(norms.dtype)
+        dist.all_reduce(norms, group=self.process_group)
+        total = torch.linalg.vector_norm(norms, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coefficient)
+        return total
+
+    # -- state dicts ------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's local state to rank ``to`` (of the group). Call on every rank."""
+        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
+        payload = _to_bytes(self.optim.state_dict())
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.process_group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        target = self._global_rank(to)
+        if self.rank == to:
+            slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.gather(padded, gather_list=slots, dst=target, group=self.process_group)
+            self._gathered = [
+                _from_bytes(slot[: int(n.item())]) for slot, n in zip(slots, sizes, strict=True)
+            ]
+        else:
+            dist.gather(padded, dst=target, group=self.process_group)
+            self._gathered = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state in ``torch.optim`` format (after consolidation here)."""
+        if self._gathered is None:
+            raise RuntimeError(
+                f"the optimizer state is not consolidated on rank {self.rank}; call "
+                f"consolidate_state_dict(to={self.rank}) on every rank first"
+            )
+        index = {p: i for i, p in enumerate(self._all_params)}
+        state: dict[int, Any] = {}
+        for rank, local in enumerate(self._gathered):
+            for local_group, global_group in zip(local["param_groups"], self._partition[rank], strict=True):
+                for local_index, param in zip(local_group["params"], global_group["params"], strict=True):
+                    if local_index in local["state"]:
+                        state[index[param]] = local["state"][local_index]
+        groups = []
+        for group, local_group in zip(
+            self.param_groups, self._gathered[self.rank]["param_groups"], strict=True
+        ):
+            entry = {k: v for k, v in local_group.items() if k != "params"}
+            entry.update({k: v for k, v in group.items() if k != "params"})
+            entry["params"] = [index[p] for p in group["params"]]
+            groups.append(entry)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim``-format state dict (from any world size or a plain optimizer).
+
+        Only this rank's parameters take state; the caller's dict is not modified.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, self.param_groups)
+        ):
+            sizes = [len(g["params"]) for g in self.param_groups]
+            raise ValueError(
+                f"state_dict has param groups of sizes {[len(g['params']) for g in groups]}; "
+                f"this optimizer has {sizes}"
+            )
+        saved_index = {}
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            saved_index.update(zip(group["params"], saved["params"], strict=True))
+        # The local optimizer's own state dict: its params numbered in order, its state
+        # copied (torch.optim's load would alias the caller's tensors).
+        local_state, local_groups, number = {}, [], 0
+        for saved, local_group in zip(groups, self.optim.param_groups, strict=True):
+            numbers = []
+            for param in local_group["params"]:
+                if saved_index[param] in state_dict["state"]:
+                    local_state[number] = state_dict["state"][saved_index[param]]
+                numbers.append(number)
+                number += 1
+            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": numbers})
+        self.optim.load_state_dict(copy.deepcopy({"state": local_state, "param_groups": local_groups}))
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = copy.deepcopy(value)
+        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
