@@ -53,6 +53,7 @@ __all__ = [
     "load_checkpoint",
     "load_legacy_checkpoint",
     "offload_wrapper",
+    "ZeroRedundancyOptimizer",
     "row_wise_id_range",
     "save_checkpoint",
     "save_legacy_checkpoint",
@@ -67,3 +68,14 @@ class KVStore(metaclass=BackendDispatch):
     """
 
     _component = "kv_store"
+
+
+class ZeroRedundancyOptimizer(metaclass=BackendDispatch):
+    """ZeRO sharded optimizer (DESIGN §3.6); see ``leanstate.reference.zero``.
+
+    ``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None,
+    parameters_as_bucket_view=False, *, overlap_broadcast=False, backend=None, **defaults)``;
+    ``overlap_broadcast=True`` is served by the ``torch`` backend.
+    """
+
+    _component = "zero"

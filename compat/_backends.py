@@ -23,6 +23,10 @@ _IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "leanstate.reference.kv_store",
         "numba": "leanstate.accelerated.numba_kv_store",
     },
+    "zero": {
+        "reference": "leanstate.reference.zero",
+        "torch": "leanstate.accelerated.torch_zero",
+    },
 }
 
 

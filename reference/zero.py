@@ -54,6 +54,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         process_group: the data-parallel group (default: the world).
         parameters_as_bucket_view: each rank's trainable parameters on a device are
             views of one flat buffer, broadcast in one collective per rank per step.
+        overlap_broadcast: overlap the broadcasts with the next forward (``torch``
+            backend only; this reference refuses it).
         **defaults: the optimizer's arguments (``lr``, ``betas``...).
     """
 
@@ -65,8 +67,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer_class: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
+        *,
+        overlap_broadcast: bool = False,
         **defaults: Any,
     ) -> None:
+        if overlap_broadcast:
+            raise ValueError("overlap_broadcast=True is served by the torch backend: pass backend='torch'")
         self._initialized = False
         super().__init__(params, defaults)
         if not self.param_groups or not any(g["params"] for g in self.param_groups):

@@ -9,6 +9,7 @@ the same gradients, so their parameters must stay bitwise equal.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import socket
@@ -257,29 +258,32 @@ SCENARIOS = {
     "add-param-group": add_param_group,
     "clipping": clipping,
     "state-dicts": state_dicts,
-}
-BY_WORLD = {
-    1: [*SCENARIOS, "elastic-resume"],
-    2: [*SCENARIOS, "elastic-save"],
-    3: [*SCENARIOS, "empty-shard", "elastic-resume"],
-    4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
-}
-EXTRA = {
     "elastic-save": elastic_save,
     "elastic-resume": elastic_resume,
     "empty-shard": empty_shard,
     "subgroup": subgroup,
 }
+COMMON = [
+    name for name in SCENARIOS if name.startswith(("parity", "closure", "add-param", "clipping", "state"))
+]
+BY_WORLD = {
+    1: [*COMMON, "elastic-resume"],
+    2: [*COMMON, "elastic-save"],
+    3: [*COMMON, "empty-shard", "elastic-resume"],
+    4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
+}
 
 
-def _worker(rank: int, world: int, port: int, folder: str) -> None:
+def _worker(rank: int, world: int, port: int, folder: str, module: str) -> None:
+    """Run the scenarios ``BY_WORLD[world]`` of test module ``module`` on this rank."""
+    scenarios = importlib.import_module(module).SCENARIOS
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     results = {}
-    for name in BY_WORLD[world]:
+    for name in importlib.import_module(module).BY_WORLD[world]:
         try:
-            (SCENARIOS.get(name) or EXTRA[name])(rank, world, folder)
+            scenarios[name](rank, world, folder)
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
@@ -295,10 +299,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, folder: Path) -> dict[str, list[str]]:
-    context = mp.start_processes(
-        _worker, args=(world, _free_port(), str(folder)), nprocs=world, join=False, start_method="spawn"
-    )
+def run_world(world: int, folder: Path, module: str = __name__) -> dict[str, list[str]]:
+    """Spawn ``world`` ranks running ``module``'s scenarios; scenario -> failures."""
+    args = (world, _free_port(), str(folder), module)
+    context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 600
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

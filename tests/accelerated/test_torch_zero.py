@@ -1,0 +1,72 @@
+"""The torch ZeRO path (broadcasts overlapping the next forward) held to plain optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanstate.accelerated.torch_zero import ZeroRedundancyOptimizer
+from tests.reference.test_zero import OPTIMIZERS, backward, batch, make_model, run_world, train_pair
+
+
+def overlap_parity(rank, world, folder):
+    cls, kwargs = OPTIMIZERS["adam"]
+    zero_model, plain_model = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(
+        zero_model.parameters(), cls, parameters_as_bucket_view=True, overlap_broadcast=True, **kwargs
+    )
+    handles = zero.overlap_with(zero_model)
+    assert len(handles) == 3  # the three Linear layers own parameters
+    plain = cls(plain_model.parameters(), **kwargs)
+    for step in range(20):
+        if step in (10, 15):  # trainability flips rebuild the buckets
+            for model in (zero_model, plain_model):
+                model[2].weight.requires_grad_(step == 15)
+        for model in (zero_model, plain_model):
+            backward(model, batch(step, rank))  # the forward waits, layer by layer
+        assert not zero._pending  # every bucket was awaited by some layer's forward
+        zero.step()
+        assert len(zero._pending) == world  # one broadcast per rank bucket in flight
+        plain.step()
+    zero._wait()
+    for p, q in zip(zero_model.parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    zero.step()  # with no new gradients; consolidation below waits for its broadcasts
+    plain.step()
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        assert len(zero.state_dict()["state"]) == 6
+
+
+def no_overlap_matches_reference(rank, world, folder):
+    cls, kwargs = OPTIMIZERS["sgd"]
+    zero_model, plain_model = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(zero_model.parameters(), cls, **kwargs)
+    plain = cls(plain_model.parameters(), **kwargs)
+    train_pair(zero_model, plain_model, zero, plain, 20, rank)
+
+
+SCENARIOS = {"overlap-parity": overlap_parity, "no-overlap": no_overlap_matches_reference}
+BY_WORLD = {2: list(SCENARIOS), 3: list(SCENARIOS)}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torch-zero")
+    return {world: run_world(world, folder, __name__) for world in BY_WORLD}
+
+
+CASES = [(world, name) for world, names in BY_WORLD.items() for name in names]
+
+
+@pytest.mark.parametrize("world, scenario", CASES, ids=[f"world{w}-{n}" for w, n in CASES])
+def test_torch_zero(worlds, world, scenario):
+    failures = worlds[world][scenario]
+    assert not failures, "\n".join(failures)
+
+
+def test_overlap_needs_bucket_views():
+    with pytest.raises(ValueError, match="parameters_as_bucket_view=True"):
+        ZeroRedundancyOptimizer(
+            [torch.zeros(2, requires_grad=True)], torch.optim.SGD, overlap_broadcast=True, lr=0.1
+        )
