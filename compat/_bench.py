@@ -206,6 +206,95 @@ class WrapperStep:
         return sum(event.self_cpu_memory_usage for event in prof.events())
 
 
+def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """One rank of the ZeRO comparison: interleaved steps of leanstate's and torch's."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    counts = {"broadcast": 0}
+    broadcast = dist.broadcast
+
+    def counting_broadcast(*args, **kwargs):
+        counts["broadcast"] += 1
+        return broadcast(*args, **kwargs)
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
+        if kind == "torch":
+            optimizer = TorchZero(
+                model.parameters(), torch.optim.Adam, parameters_as_bucket_view=True, lr=1e-3
+            )
+        else:
+            optimizer = leanstate.ZeroRedundancyOptimizer(
+                model.parameters(),
+                torch.optim.Adam,
+                parameters_as_bucket_view=True,
+                lr=1e-3,
+                backend="reference",
+            )
+        x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(rank))
+        model(x).square().mean().backward()
+        return model, optimizer
+
+    runs = {kind: build(kind) for kind in ("leanstate", "torch")}
+    times: dict[str, list[float]] = {kind: [] for kind in runs}
+    for step in range(steps + 2):  # two warm-up steps, then interleaved timings
+        for kind, (_, optimizer) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.step()
+            if step >= 2:
+                times[kind].append(time.perf_counter() - start)
+    dist.broadcast = counting_broadcast
+    runs["leanstate"][1].step()
+    dist.broadcast = broadcast
+    consolidate = {}
+    for kind, (_, optimizer) in runs.items():
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.consolidate_state_dict(to=0)
+        consolidate[kind] = time.perf_counter() - start
+    optim = runs["leanstate"][1].optim
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    total_state = sum(2 * p.numel() * 4 for p in runs["leanstate"][0].parameters())
+    largest = max(2 * p.numel() * 4 for p in runs["leanstate"][0].parameters())
+    if rank == 0:
+        result = {
+            "step": {k: statistics.median(v) for k, v in times.items()},
+            "broadcasts": counts["broadcast"],
+            "consolidate": consolidate,
+            "state_bytes": state_bytes,
+            "even_share": total_state / world,
+            "largest": largest,
+        }
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def zero_comparison(world: int = 2, steps: int = 10) -> dict:
+    """Spawn ``world`` gloo ranks on 127.0.0.1 comparing leanstate's ZeRO with torch's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "zero.json")
+        mp.start_processes(_zero_worker, args=(world, port, out, steps), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def report(
     rows: int = 200_000,
     dim: int = 128,

@@ -1,0 +1,46 @@
+"""ZeRO beside torch.distributed.optim.ZeroRedundancyOptimizer, interleaved in one run.
+
+8 x Linear(1024, 1024), Adam, batch 32, 2 gloo ranks on 127.0.0.1, bucket views.
+Targets: step time <= 1.0 x torch's; broadcasts per step = world size; consolidation of
+~32 MiB of state per rank <= 0.3 s; state bytes per rank = total / world within one
+parameter's state.
+"""
+
+from leanstate._bench import zero_comparison
+
+
+class ZeroVersusTorch:
+    timeout = 900
+
+    def setup_cache(self):
+        return zero_comparison(world=2, steps=10)
+
+    def track_step_cost_vs_torch(self, result):
+        """Median step time / torch's (target <= 1.0)."""
+        return result["step"]["leanstate"] / result["step"]["torch"]
+
+    track_step_cost_vs_torch.unit = "ratio"
+
+    def track_broadcasts_per_step(self, result):
+        """Collectives per step with bucket views (target: the world size, 2)."""
+        return result["broadcasts"]
+
+    track_broadcasts_per_step.unit = "collectives"
+
+    def track_consolidate_seconds(self, result):
+        """consolidate_state_dict of ~32 MiB per rank (target <= 0.3 s)."""
+        return result["consolidate"]["leanstate"]
+
+    track_consolidate_seconds.unit = "seconds"
+
+    def track_torch_consolidate_seconds(self, result):
+        """torch's consolidate_state_dict on the same state, for comparison."""
+        return result["consolidate"]["torch"]
+
+    track_torch_consolidate_seconds.unit = "seconds"
+
+    def track_state_excess_bytes_on_rank0(self, result):
+        """Rank 0's optimizer-state bytes minus total / world (target within one parameter)."""
+        return abs(result["state_bytes"] - result["even_share"])
+
+    track_state_excess_bytes_on_rank0.unit = "bytes"
