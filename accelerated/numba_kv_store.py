@@ -123,6 +123,14 @@ def _gather(chunks, rows_per_chunk, blocks, out, positions):
 
 
 @njit(nogil=True, cache=True)
+def _gather_metadata(chunks, rows_per_chunk, blocks):
+    out = np.empty(blocks.shape[0], dtype=np.int64)
+    for i in range(blocks.shape[0]):
+        out[i] = chunks[blocks[i] // rows_per_chunk][blocks[i] % rows_per_chunk, 1]
+    return out
+
+
+@njit(nogil=True, cache=True)
 def _store(
     table_keys,
     table_blocks,
@@ -225,6 +233,9 @@ class _NumbaShard:
         _gather(
             self.chunks, self.rows_per_chunk, blocks.numpy(), out.view(torch.int64).numpy(), positions.numpy()
         )
+
+    def read_metadata(self, blocks: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(_gather_metadata(self.chunks, self.rows_per_chunk, blocks.numpy()))
 
     def _reserve(self, new: int) -> None:
         """Room for ``new`` more keys: table at most half full, blocks allocated."""

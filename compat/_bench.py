@@ -206,6 +206,44 @@ class WrapperStep:
         return sum(event.self_cpu_memory_usage for event in prof.events())
 
 
+class EmbeddingStep:
+    """Forward + backward + update of a KV embedding bag, or of nn.EmbeddingBag(sparse=True) + torch.optim."""
+
+    def __init__(
+        self,
+        kind: str,
+        optimizer: str,
+        rows: int,
+        dim: int = 128,
+        batch: int = 4096,
+        per_bag: int = 20,
+        backend: str | None = None,
+    ) -> None:
+        from torch import nn
+
+        from leanstate.reference.embedding import KVEmbeddingBag
+
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, rows, (batch * per_bag,), generator=generator)
+        self.offsets = torch.arange(0, batch * per_bag, per_bag)
+        self.upstream = torch.randn(batch, dim, generator=generator)
+        self.kind = kind
+        if kind == "kv":
+            self.bag = KVEmbeddingBag(dim, optimizer=optimizer, lr=0.01, backend=backend)
+            filled = filled_store(rows, dim, backend, state_dim=self.bag.store.layout.state_dim)
+            self.bag.store = filled
+        else:
+            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+            cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
+            self.optimizer = cls(self.bag.parameters(), lr=0.01)
+
+    def step(self) -> None:
+        (self.bag(self.ids, self.offsets) * self.upstream).sum().backward()
+        if self.kind != "kv":
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
 def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
     """One rank of the ZeRO comparison: interleaved steps of leanstate's and torch's."""
     import statistics

@@ -159,9 +159,7 @@ class KVEmbeddingBag(nn.Module):
     def _apply_gradient(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Update the rows of the distinct ``ids`` with their summed gradients ``grad``."""
         self.optimizer_step += 1
-        weights, state = self._read_state(ids)
-        weights = weights.clone()
-        state = state.clone()
+        weights, state = self._read_state(ids)  # fresh tensors from the store: updated in place
         grad = grad.detach()
         if self.weight_decay:
             grad = grad.add(weights, alpha=self.weight_decay)  # torch.optim's form of L2

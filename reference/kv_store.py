@@ -49,8 +49,9 @@ def _system_clock() -> int:
 class _Shard:
     """One shard: id -> block map, chunked block pool with a free list, and its lock.
 
-    Accelerated backends replace this class and keep its methods: ``lookup``, ``read``,
-    ``store``, ``remove``, ``keys``, ``__len__`` and ``memory_bytes`` (all called with
+    Accelerated backends replace this class and keep its methods: ``lookup``,
+    ``read_into``, ``read_metadata``, ``store``, ``remove``, ``keys``, ``__len__`` and
+    ``memory_bytes`` (all called with
     ``lock`` held by the store).
     """
 
@@ -94,6 +95,12 @@ class _Shard:
         """Copy the whole row of ``blocks[i]`` to ``out[positions[i]]``."""
         for chunk, selected, within in self._by_chunk(blocks):
             out[positions[selected]] = chunk[within]
+
+    def read_metadata(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The int64 eviction-metadata word (header bytes 8-15) of ``blocks``."""
+        rows = torch.empty(len(blocks), self.width, dtype=self.dtype)
+        self.read_into(blocks, rows, torch.arange(len(blocks)))
+        return header_words(rows)[:, 1].clone()
 
     def _write(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         for chunk, positions, within in self._by_chunk(blocks):
@@ -402,16 +409,23 @@ class KVStore:
         start = self.layout.header_elems + width_offset
         weight_start = self.layout.weight_offset
         overwrites_weights = start <= weight_start and start + values.shape[1] >= weight_start + self.dim
+        overwrites_all = width_offset == 0 and values.shape[1] == self.layout.value_width
         for shard, positions, keys in self._by_shard(unique):
             with shard.lock:
                 blocks = shard.lookup(keys)
                 present = blocks >= 0
-                rows = torch.empty(len(keys), self.layout.width, dtype=self.dtype)
-                shard.read_into(blocks[present], rows, torch.nonzero(present).flatten())
-                if not present.all():
-                    rows[~present] = self._initial_rows(keys[~present], weights=not overwrites_weights)
+                if overwrites_all:  # only the headers of present rows are needed
+                    rows = torch.zeros(len(keys), self.layout.width, dtype=self.dtype)
+                    header = header_words(rows)
+                    header[:, 0] = keys
+                    header[present, 1] = shard.read_metadata(blocks[present])
+                else:
+                    rows = torch.empty(len(keys), self.layout.width, dtype=self.dtype)
+                    shard.read_into(blocks[present], rows, torch.nonzero(present).flatten())
+                    if not present.all():
+                        rows[~present] = self._initial_rows(keys[~present], weights=not overwrites_weights)
+                    header = header_words(rows)
                 rows[:, start : start + values.shape[1]] = values[source[positions]]
-                header = header_words(rows)
                 stamp, count, _ = unpack_metadata(header[:, 1])
                 stamp.fill_(now)
                 count = torch.clamp(count + occurrences[positions], max=COUNT_MAX)
