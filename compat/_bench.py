@@ -437,6 +437,45 @@ def report(
         times["torch_offload"],
         "report",
     )
+    for optimizer, peer in (("sgd", "sgd"), ("rowwise_adagrad", "adagrad")):
+        ours = EmbeddingStep("kv", optimizer, rows, dim, backend=backend)
+        dense = EmbeddingStep("dense", peer, rows, dim)
+        add(
+            "embedding",
+            f"{optimizer} step s (B=4096x20, {backend})",
+            best_time(ours.step, 3),
+            f"EmbeddingBag(sparse)+{peer}",
+            best_time(dense.step, 3),
+            "<= 2",
+        )
+        del ours, dense
+    zero = zero_comparison()
+    add(
+        "zero",
+        "step s (2 ranks, buckets)",
+        zero["step"]["leanstate"],
+        "torch ZeRO",
+        zero["step"]["torch"],
+        "<= 1.0",
+    )
+    add("zero", "broadcasts per step", zero["broadcasts"], "world size", 2, "== 1")
+    consolidate = zero["consolidate"]
+    add(
+        "zero",
+        "consolidate s (~32 MiB/rank)",
+        consolidate["leanstate"],
+        "torch ZeRO",
+        consolidate["torch"],
+        "ours <= 0.3 s",
+    )
+    add(
+        "zero",
+        "state MiB on rank 0",
+        zero["state_bytes"] / 2**20,
+        "total / world",
+        zero["even_share"] / 2**20,
+        "~1",
+    )
     return pd.DataFrame(
         lines, columns=["component", "measure", "leanstate", "peer", "peer value", "ratio", "target"]
     )
