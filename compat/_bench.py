@@ -36,6 +36,17 @@ def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
     return min(times)
 
 
+def best_times(fns: dict[str, Callable[[], object]], repeat: int = 3) -> dict[str, float]:
+    """Best wall time of each function, the calls interleaved round by round (fairer under drift)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(values) for name, values in times.items()}
+
+
 def filled_store(rows: int, dim: int, backend: str | None, state_dim: int = 1) -> leanstate.KVStore:
     """A store holding ids ``0..rows-1`` with random weights."""
     store = leanstate.KVStore(dim, optimizer_state_dim=state_dim, backend=backend)
@@ -400,7 +411,9 @@ def report(
     )
     add("checkpoint", "legacy load extra MiB", memory["legacy"] / 2**20, "table MiB", table / 2**20, ">= 1")
     steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
-    times = {v: best_time(w.step, 2) for v, w in steps.items()}
+    for w in steps.values():
+        w.step()  # warm-up
+    times = best_times({v: w.step for v, w in steps.items()}, 3)
     saved = {v: w.saved_bytes() for v, w in steps.items()}
     add(
         "wrappers",
