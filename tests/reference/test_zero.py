@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leanstate.reference.zero import ZeroRedundancyOptimizer
 
@@ -44,15 +45,23 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 def backward(model: nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """Loss and averaged gradients: by DistributedDataParallel when ``model`` is one,
+    else by an all-reduce per gradient (DDP's sum-then-divide arithmetic)."""
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
     loss.backward()
+    if isinstance(model, DDP):
+        return loss
     size = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             p.grad /= size
     return loss
+
+
+def inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
 
 
 def assert_same(a: nn.Module, b: nn.Module, what: str) -> None:
@@ -71,7 +80,7 @@ def train_pair(zero_model, plain_model, zero, plain, steps, rank, start=0, flips
     for step in range(start, start + steps):
         if flips and step in (10, 15):
             for model in (zero_model, plain_model):
-                model[2].weight.requires_grad_(step == 15)  # frozen at 10, trainable again at 15
+                inner(model)[2].weight.requires_grad_(step == 15)  # frozen at 10, trainable again at 15
         for model in (zero_model, plain_model):
             backward(model, batch(step, rank), group)
         zero.step()
@@ -86,7 +95,8 @@ def train_pair(zero_model, plain_model, zero, plain, steps, rank, start=0, flips
 def parity(name: str, bucket: bool):
     def scenario(rank, world, folder):
         cls, kwargs = OPTIMIZERS[name]
-        zero_model, plain_model = make_model(), make_model()
+        # DistributedDataParallel on both sides (unused parameters: the flips freeze one)
+        zero_model, plain_model = (DDP(make_model(), find_unused_parameters=True) for _ in range(2))
         zero = ZeroRedundancyOptimizer(
             zero_model.parameters(), cls, parameters_as_bucket_view=bucket, **kwargs
         )
