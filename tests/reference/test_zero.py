@@ -310,7 +310,19 @@ def _free_port() -> int:
 
 
 def run_world(world: int, folder: Path, module: str = __name__) -> dict[str, list[str]]:
-    """Spawn ``world`` ranks running ``module``'s scenarios; scenario -> failures."""
+    """Spawn ``world`` ranks running ``module``'s scenarios; scenario -> failures.
+
+    A world whose processes die (not a failing scenario: those are recorded) is started
+    once more on a fresh port, since the port is picked before the ranks bind it.
+    """
+    try:
+        return _run_world_once(world, folder, module)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as exc:
+        print(f"world {world} died ({type(exc).__name__}); starting it again", file=sys.stderr)
+        return _run_world_once(world, folder, module)
+
+
+def _run_world_once(world: int, folder: Path, module: str) -> dict[str, list[str]]:
     args = (world, _free_port(), str(folder), module)
     context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 600
