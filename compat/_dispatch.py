@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 from leanstate import _backends
 
@@ -24,7 +25,7 @@ class BackendDispatch(type):
 
     def __instancecheck__(cls, obj: object) -> bool:
         for name in _backends._IMPLEMENTATIONS[cls._component].values():
-            module = importlib.sys.modules.get(name)
+            module = sys.modules.get(name)
             if module is not None and isinstance(obj, getattr(module, cls.__name__)):
                 return True
         return False

@@ -85,3 +85,23 @@ def test_public_class_builds_the_chosen_backend_and_accepts_backend():
     with pytest.raises(ValueError, match="not one of"):
         leanstate.KVStore(4, backend="fast")
     assert leanstate.KVStore(4, dtype=torch.float16).dtype == torch.float16
+
+
+def test_public_zero_builds_the_chosen_backend():
+    code = """
+import os, socket, torch, torch.distributed as dist, leanstate
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+params = [torch.nn.Parameter(torch.ones(3))]
+default = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+fast = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, parameters_as_bucket_view=True,
+                                         overlap_broadcast=True, lr=0.1, backend="torch")
+print(default.backend, fast.backend, isinstance(fast, leanstate.ZeroRedundancyOptimizer))
+try:
+    leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_broadcast=True, lr=0.1, backend="reference")
+except ValueError as exc:
+    print("refused:", "backend='torch'" in str(exc))
+dist.destroy_process_group()
+"""
+    assert run_python(code).split() == ["reference", "torch", "True", "refused:", "True"]
