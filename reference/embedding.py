@@ -188,18 +188,25 @@ class KVEmbeddingBag(nn.Module):
         load already brought them); without, they are views of the state store.
         """
         out = destination if destination is not None else {}
-        dim = self.embedding_dim
         if self.return_whole_row:
             out[prefix + "weight"] = KVTensor(self.store, whole_rows=True)
         else:
-            out[prefix + "weight"] = KVTensor(self.store, width=dim)
-        for name, (start, width) in self.fields.items():
-            if self.optimizer_offloading:
-                view = KVTensor(self.store, width_offset=pad4(dim) + start, width=width, read_only=True)
-            else:
-                view = KVTensor(self.state_store, width_offset=start, width=width)
-            out[prefix + name] = view
+            out[prefix + "weight"] = KVTensor(self.store, width=self.embedding_dim)
+        out.update({prefix + name: view for name, view in self._field_views().items()})
         return out
+
+    def _field_views(self) -> dict[str, KVTensor]:
+        """One KVTensor per optimizer field: read-only in the rows, or of the state store."""
+        if not self.optimizer_offloading:
+            return {
+                name: KVTensor(self.state_store, width_offset=start, width=width)
+                for name, (start, width) in self.fields.items()
+            }
+        offset = pad4(self.embedding_dim)
+        return {
+            name: KVTensor(self.store, width_offset=offset + start, width=width, read_only=True)
+            for name, (start, width) in self.fields.items()
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True):
         """Copy KVTensors or tensors in, chunk by chunk (whole rows by header key)."""
@@ -228,13 +235,7 @@ class KVEmbeddingBag(nn.Module):
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """What ``save_checkpoint`` / ``load_checkpoint`` take for this module."""
         if self.optimizer_offloading:
-            tables = {"weight": KVTensor(self.store, whole_rows=True)}
-            dim = self.embedding_dim
-            for name, (start, width) in self.fields.items():
-                tables[name] = KVTensor(
-                    self.store, width_offset=pad4(dim) + start, width=width, read_only=True
-                )
-            return tables
+            return {"weight": KVTensor(self.store, whole_rows=True), **self._field_views()}
         tables = {"weight": self.store}
         if self.state_store is not None:
             tables["optimizer_state"] = self.state_store
