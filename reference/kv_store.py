@@ -373,7 +373,13 @@ class KVStore:
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
         """Int64 eviction metadata ``timestamp | count << 32 | used << 63`` (0 when missing)."""
         ids = self._check_ids(ids, "KVStore.metadata")
-        return header_words(self._read_whole(ids, initial_for_missing=False))[:, 1].clone()
+        out = torch.zeros(len(ids), dtype=torch.int64)
+        for shard, positions, keys in self._by_shard(ids):
+            with shard.lock:
+                blocks = shard.lookup(keys)
+                present = blocks >= 0
+                out[positions[present]] = shard.read_metadata(blocks[present])
+        return out
 
     def keys(self) -> torch.Tensor:
         """All ids, sorted ascending, as int64."""
