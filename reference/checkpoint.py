@@ -89,6 +89,11 @@ def _targets(tables: Mapping[str, KVStore | KVTensor], method: str) -> list[_Tar
     return targets
 
 
+def _check_chunk_bytes(method: str, chunk_bytes: object) -> None:
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+
+
 def _is_whole(target: _Target) -> bool:
     view = target.view
     return view is None or (
@@ -178,8 +183,7 @@ def save_checkpoint(
     Returns ``path``.
     """
     method = "save_checkpoint"
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    _check_chunk_bytes(method, chunk_bytes)
     targets = _targets(tables, method)
     whole = {t.name: t for t in targets if _is_whole(t)}
     views = {}
@@ -390,8 +394,7 @@ def load_checkpoint(
     """
     method = "load_checkpoint"
     path = Path(path)
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    _check_chunk_bytes(method, chunk_bytes)
     if id_range is not None and (len(id_range) != 2 or id_range[0] > id_range[1]):
         raise ValueError(f"{method}: id_range must be (lo, hi) with lo <= hi; got {id_range!r}")
     targets = _targets(tables, method)
