@@ -1,33 +1,56 @@
-"""The ``numba`` KV store: the reference store with its per-row Python work in Numba.
+"""The ``numba`` KV store engine: one compiled call per batch, parallel across cores.
 
-Same class, same API, same bits as ``leanstate.reference.kv_store.KVStore``: only the
-hooks differ. A shard keeps its id -> block map in an open-addressing hash table of
-two int64 arrays (linear probing, tombstones, rebuilt past half full) and its rows in
-chunks of int64 words (a row is ``row_bytes / 8`` words, header included), so the
-kernels move whole rows without knowing the dtype. The shard hash and the initial
-weights are compiled restatements of ``leanstate.reference.hashing``. Kernels are
-``@njit(nogil=True, cache=True)``: a shard's kernel runs without the GIL, under that
-shard's lock.
+Same interface and same bits as ``leanstate.reference.kv_store.KVStoreEngine``
+(``spec/backends.md``), written independently: it shares only the row layout and the
+hash constants with the reference. The store keeps
+
+- one open-addressing hash table, id -> block, in two arrays (linear probing on
+  ``splitmix64(id)``, tombstones for deletes, rebuilt when live + dead slots pass half);
+- one flat pool of rows in an anonymous memory map that grows in place (``mremap``:
+  no copy, and pages that were never written cost nothing), in steps of 1024 rows;
+- a free list of released blocks, reused last in first out, as the reference does;
+- a readers-writer lock: reads run concurrently (the kernels release the GIL), writes
+  are exclusive. One call already spreads over every core, so the shards of the
+  reference are not needed for parallelism here.
+
+Kernels move rows as raw words (int64 for headers and whole rows, the element width
+for columns), so they never depend on the row dtype. Duplicates in one ``set`` are
+resolved without scratch memory: a backward pass marks each row's last writer by
+clearing its ``used`` bit and counts occurrences in its timestamp field, both rewritten
+by the write pass that follows.
+
+Example::
+
+    >>> engine = KVStoreEngine(RowLayout(4, 1, torch.float32), num_shards=8, init_range=(-0.01, 0.01), seed=0)
+    >>> engine.scatter(torch.tensor([7, 3]), torch.ones(2, 4), start=4, now=0)
+    >>> engine.keys()
+    tensor([3, 7])
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
+from contextlib import contextmanager
 
-import numba
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from leanstate.reference.hashing import INIT_BITS
-from leanstate.reference.kv_store import ROWS_PER_CHUNK
-from leanstate.reference.kv_store import KVStore as ReferenceKVStore
-from leanstate.reference.row_format import RowLayout
+from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
 _EMPTY = -1
 _TOMBSTONE = -2
 _USED = np.int64(-(2**63))  # bit 63 of the metadata word
+_STAMP_BITS = np.int64(0xFFFFFFFF)
+_COUNT_MAX = np.int64(COUNT_MAX)
 _U64 = np.uint64
+POOL_STEP_ROWS = 1024
+_MIN_SLOTS = 16
+
+
+# -- hashing -----------------------------------------------------------------------------
 
 
 @njit(nogil=True, cache=True)
@@ -38,123 +61,88 @@ def _splitmix64(x):
     return z ^ (z >> _U64(31))
 
 
-@njit(nogil=True, cache=True)
-def _shards_of(ids, num_shards):
-    out = np.empty(ids.shape[0], dtype=np.int64)
-    n = _U64(num_shards)
-    for i in range(ids.shape[0]):
-        key = _U64(ids[i])  # two's complement bits of the int64
-        h = _U64(0xCBF29CE484222325)
-        for b in range(8):
-            byte = (key >> _U64(8 * b)) & _U64(0xFF)
-            h = h * _U64(0x100000001B3)
-            if byte >= _U64(0x80):
-                byte = byte | _U64(0xFFFFFFFFFFFFFF00)  # sign extension
-            h = h ^ byte
-        low = h & _U64(0xFFFFFFFF)
-        high = h >> _U64(32)
-        out[i] = np.int64((n * high + ((n * low) >> _U64(32))) >> _U64(32))
-    return out
-
-
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, parallel=True)
 def _initial_weights(ids, dim, seed, low, high):
+    """float32 [len(ids), dim] initial weights: ``spec/kv_store.md`` restated per element."""
     out = np.empty((ids.shape[0], dim), dtype=np.float32)
     seeded = _splitmix64(seed)
     span = np.float32(np.float32(high) - np.float32(low))
+    low32 = np.float32(low)
     scale = np.float32(1.0 / 2**INIT_BITS)
-    for i in range(ids.shape[0]):
+    for i in prange(ids.shape[0]):
         per_key = _splitmix64(_U64(ids[i]) ^ seeded)
         for c in range(dim):
             bits = _splitmix64(per_key ^ _U64(c))
             u = np.float32(bits >> _U64(64 - INIT_BITS)) * scale
-            out[i, c] = np.float32(span * u) + np.float32(low)
+            out[i, c] = np.float32(span * u) + low32
     return out
 
 
 @njit(nogil=True, cache=True)
-def _slot(key, mask):
+def _home(key, mask):
     return np.int64(_splitmix64(_U64(key)) & _U64(mask))
 
 
 @njit(nogil=True, cache=True)
-def _lookup(table_keys, table_blocks, keys):
-    out = np.empty(keys.shape[0], dtype=np.int64)
+def probe(table_keys, table_blocks, key):
+    """Block of ``key``, or -1 when it is absent (-2 for a negative key)."""
+    if key < 0:
+        return -2
     mask = table_keys.shape[0] - 1
-    for i in range(keys.shape[0]):
-        s = _slot(keys[i], mask)
-        out[i] = -1
-        while table_keys[s] != _EMPTY:
-            if table_keys[s] == keys[i]:
-                out[i] = table_blocks[s]
-                break
-            s = (s + 1) & mask
+    s = _home(key, mask)
+    while table_keys[s] != _EMPTY:
+        if table_keys[s] == key:
+            return np.int64(table_blocks[s])
+        s = (s + 1) & mask
+    return -1
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def lookup(table_keys, table_blocks, ids):
+    """Block of every id: -1 missing, -2 negative (padding)."""
+    out = np.empty(ids.shape[0], dtype=np.int64)
+    for i in prange(ids.shape[0]):
+        out[i] = probe(table_keys, table_blocks, ids[i])
     return out
 
 
 @njit(nogil=True, cache=True)
-def _insert(table_keys, table_blocks, key, block):
-    """Put a key known to be absent; reuses the first tombstone on its probe path."""
+def _place(table_keys, table_blocks, key, block):
+    """Put an absent key in the first free or dead slot of its probe path; True if dead."""
     mask = table_keys.shape[0] - 1
-    s = _slot(key, mask)
+    s = _home(key, mask)
     while table_keys[s] >= 0:
         s = (s + 1) & mask
-    reused = table_keys[s] == _TOMBSTONE
+    dead = table_keys[s] == _TOMBSTONE
     table_keys[s] = key
     table_blocks[s] = block
-    return reused
+    return dead
 
 
 @njit(nogil=True, cache=True)
 def _rebuild(table_keys, table_blocks, capacity):
     new_keys = np.full(capacity, _EMPTY, dtype=np.int64)
-    new_blocks = np.zeros(capacity, dtype=np.int64)
+    new_blocks = np.zeros(capacity, dtype=np.int32)
     for s in range(table_keys.shape[0]):
         if table_keys[s] >= 0:
-            _insert(new_keys, new_blocks, table_keys[s], table_blocks[s])
+            _place(new_keys, new_blocks, table_keys[s], table_blocks[s])
     return new_keys, new_blocks
 
 
 @njit(nogil=True, cache=True)
-def _gather(chunks, rows_per_chunk, blocks, out, positions):
-    words = out.shape[1]
-    for i in range(blocks.shape[0]):
-        chunk = chunks[blocks[i] // rows_per_chunk]
-        row, target = blocks[i] % rows_per_chunk, positions[i]
-        for w in range(words):  # an explicit loop: faster than a slice copy here
-            out[target, w] = chunk[row, w]
+def _insert_missing(table_keys, table_blocks, words, ids, blocks, free, free_top, handed_out, fresh):
+    """Give every id with block -1 a block, in batch order (a repeat finds the first's).
 
-
-@njit(nogil=True, cache=True)
-def _gather_metadata(chunks, rows_per_chunk, blocks):
-    out = np.empty(blocks.shape[0], dtype=np.int64)
-    for i in range(blocks.shape[0]):
-        out[i] = chunks[blocks[i] // rows_per_chunk][blocks[i] % rows_per_chunk, 1]
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _store(
-    table_keys,
-    table_blocks,
-    chunks,
-    rows_per_chunk,
-    keys,
-    blocks,
-    rows,
-    positions,
-    free,
-    free_top,
-    handed_out,
-):
-    """Allocate blocks for keys with block -1, insert them, write each ``rows[positions[i]]``
-    with ``used`` set.
-
-    Returns (free_top, handed_out, tombstones reused).
+    A new row gets header (key, used) and otherwise keeps the pool's zeros. ``fresh``
+    receives the positions of the ids that were inserted. Returns (free_top,
+    handed_out, inserted, dead slots reused).
     """
+    inserted = 0
     reused = 0
-    for i in range(keys.shape[0]):
-        block = blocks[i]
+    for i in range(ids.shape[0]):
+        if blocks[i] != -1:
+            continue
+        block = probe(table_keys, table_blocks, ids[i])
         if block < 0:
             if free_top > 0:
                 free_top -= 1
@@ -162,26 +150,124 @@ def _store(
             else:
                 block = handed_out
                 handed_out += 1
-            if _insert(table_keys, table_blocks, keys[i], block):
+            if _place(table_keys, table_blocks, ids[i], block):
                 reused += 1
-        target = chunks[block // rows_per_chunk][block % rows_per_chunk]
-        target[:] = rows[positions[i], :]
-        target[1] |= _USED
-    return free_top, handed_out, reused
+            words[block, 0] = ids[i]
+            words[block, 1] = _USED
+            fresh[inserted] = i
+            inserted += 1
+        blocks[i] = block
+    return free_top, handed_out, inserted, reused
+
+
+# -- reads -------------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gather(elems, blocks, start, out):
+    """``out[i] = row(blocks[i])[start:start + width]``, zeros where the block is < 0."""
+    width = out.shape[1]
+    for i in prange(blocks.shape[0]):
+        b = blocks[i]
+        if b >= 0:
+            out[i, :] = elems[b, start : start + width]
+        else:
+            out[i, :] = 0
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gather_metadata(words, blocks):
+    out = np.zeros(blocks.shape[0], dtype=np.int64)
+    for i in prange(blocks.shape[0]):
+        if blocks[i] >= 0:
+            out[i] = words[blocks[i], 1]
+    return out
 
 
 @njit(nogil=True, cache=True)
-def _remove(table_keys, table_blocks, chunks, rows_per_chunk, keys, free, free_top):
-    """Tombstone present keys, zero and free their blocks. Returns (removed, free_top)."""
-    mask = table_keys.shape[0] - 1
+def _live(table_keys, table_blocks, size):
+    keys = np.empty(size, dtype=np.int64)
+    blocks = np.empty(size, dtype=np.int64)
+    n = 0
+    for s in range(table_keys.shape[0]):
+        if table_keys[s] >= 0:
+            keys[n] = table_keys[s]
+            blocks[n] = table_blocks[s]
+            n += 1
+    return keys, blocks
+
+
+# -- writes ------------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def _mark_last_writers(words, blocks, winner):
+    """Backward pass: ``winner[i]`` for the last occurrence of each block.
+
+    While the call runs, a marked row has ``used`` cleared and its occurrence count in
+    the timestamp bits; every present row has ``used`` set before the call.
+    """
+    for i in range(blocks.shape[0] - 1, -1, -1):
+        b = blocks[i]
+        if b < 0:
+            winner[i] = False
+            continue
+        meta = words[b, 1]
+        if meta < 0:  # used: not seen yet from the back
+            winner[i] = True
+            words[b, 1] = (meta & ~_USED & ~_STAMP_BITS) | 1
+        else:
+            winner[i] = False
+            words[b, 1] = meta + 1
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _write_columns(elems, words, blocks, winner, values, start, now):
+    """Copy each winner's values into its row, then stamp ``now`` and add its occurrences."""
+    width = values.shape[1]
+    for i in prange(blocks.shape[0]):
+        if not winner[i]:
+            continue
+        b = blocks[i]
+        if width > 0:
+            elems[b, start : start + width] = values[i, :]
+        meta = words[b, 1]
+        count = min(((meta >> 32) & _COUNT_MAX) + (meta & _STAMP_BITS), _COUNT_MAX)
+        words[b, 1] = np.int64(now) | (count << 32) | _USED
+
+
+@njit(nogil=True, cache=True)
+def _mark_last_rows(words, blocks, winner):
+    """Backward pass for ``set_rows``: the last row of each block wins (marks: ``used`` cleared)."""
+    for i in range(blocks.shape[0] - 1, -1, -1):
+        b = blocks[i]
+        winner[i] = words[b, 1] < 0
+        words[b, 1] &= ~_USED
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _write_rows(words, blocks, winner, rows):
+    for i in prange(blocks.shape[0]):
+        if winner[i]:
+            b = blocks[i]
+            words[b, :] = rows[i, :]
+            words[b, 1] |= _USED
+
+
+@njit(nogil=True, cache=True)
+def _remove(table_keys, table_blocks, words, ids, free, free_top):
+    """Tombstone present ids, zero and free their blocks. Returns (removed, free_top)."""
     removed = 0
-    for i in range(keys.shape[0]):
-        s = _slot(keys[i], mask)
+    mask = table_keys.shape[0] - 1
+    for i in range(ids.shape[0]):
+        if ids[i] < 0:
+            continue
+        s = _home(ids[i], mask)
         while table_keys[s] != _EMPTY:
-            if table_keys[s] == keys[i]:
+            if table_keys[s] == ids[i]:
                 block = table_blocks[s]
                 table_keys[s] = _TOMBSTONE
-                chunks[block // rows_per_chunk][block % rows_per_chunk, :] = 0
+                words[block, :] = 0
                 free[free_top] = block
                 free_top += 1
                 removed += 1
@@ -190,132 +276,287 @@ def _remove(table_keys, table_blocks, chunks, rows_per_chunk, keys, free, free_t
     return removed, free_top
 
 
-@njit(nogil=True, cache=True)
-def _live_keys(table_keys, size):
-    out = np.empty(size, dtype=np.int64)
-    n = 0
-    for s in range(table_keys.shape[0]):
-        if table_keys[s] >= 0:
-            out[n] = table_keys[s]
-            n += 1
-    return out
+# -- the engine --------------------------------------------------------------------------
 
 
-def _words(rows: torch.Tensor) -> np.ndarray:
-    """Rows of any dtype as int64 words (a view when ``rows`` is contiguous)."""
-    return rows.contiguous().view(torch.int64).numpy()
+class _ReadersWriterLock:
+    """Many readers or one writer; a waiting writer holds back new readers."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def reading(self):
+        with self._cond:
+            while self._writing or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def writing(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writing or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
 
 
-class _NumbaShard:
-    """A shard with the reference shard's methods, backed by arrays and compiled kernels."""
-
-    def __init__(self, layout: RowLayout, rows_per_chunk: int) -> None:
-        self.lock = threading.Lock()
-        self.layout = layout
-        self.words = layout.row_bytes // 8
-        self.rows_per_chunk = rows_per_chunk
-        self.chunks = numba.typed.List.empty_list(numba.types.int64[:, ::1])
-        self.table_keys = np.full(16, _EMPTY, dtype=np.int64)
-        self.table_blocks = np.zeros(16, dtype=np.int64)
-        self.size = 0
-        self.tombstones = 0
-        self.free = np.empty(16, dtype=np.int64)
-        self.free_top = 0
-        self.handed_out = 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def keys(self) -> torch.Tensor:
-        return torch.from_numpy(_live_keys(self.table_keys, self.size))
-
-    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, keys.numpy()))
-
-    def read_into(self, blocks: torch.Tensor, out: torch.Tensor, positions: torch.Tensor) -> None:
-        _gather(
-            self.chunks, self.rows_per_chunk, blocks.numpy(), out.view(torch.int64).numpy(), positions.numpy()
-        )
-
-    def read_metadata(self, blocks: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(_gather_metadata(self.chunks, self.rows_per_chunk, blocks.numpy()))
-
-    def _reserve(self, new: int) -> None:
-        """Room for ``new`` more keys: table at most half full, blocks allocated."""
-        if 2 * (self.size + self.tombstones + new) > len(self.table_keys):
-            capacity = len(self.table_keys)
-            while 2 * (self.size + new) > capacity // 2:
-                capacity *= 2
-            self.table_keys, self.table_blocks = _rebuild(self.table_keys, self.table_blocks, capacity)
-            self.tombstones = 0
-        fresh = self.handed_out + max(0, new - self.free_top)
-        while fresh > len(self.chunks) * self.rows_per_chunk:
-            self.chunks.append(np.zeros((self.rows_per_chunk, self.words), dtype=np.int64))
-
-    def store(
-        self, keys: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
-    ) -> None:
-        new = int((blocks < 0).sum())
-        self._reserve(new)
-        self.free_top, self.handed_out, reused = _store(
-            self.table_keys,
-            self.table_blocks,
-            self.chunks,
-            self.rows_per_chunk,
-            keys.numpy(),
-            blocks.numpy(),
-            _words(rows),
-            positions.numpy(),
-            self.free,
-            self.free_top,
-            self.handed_out,
-        )
-        self.size += new
-        self.tombstones -= reused
-
-    def remove(self, keys: torch.Tensor) -> int:
-        if self.free_top + len(keys) > len(self.free):
-            grown = np.empty(max(2 * len(self.free), self.free_top + len(keys)), dtype=np.int64)
-            grown[: self.free_top] = self.free[: self.free_top]
-            self.free = grown
-        removed, self.free_top = _remove(
-            self.table_keys,
-            self.table_blocks,
-            self.chunks,
-            self.rows_per_chunk,
-            keys.numpy(),
-            self.free,
-            self.free_top,
-        )
-        self.size -= removed
-        self.tombstones += removed
-        return removed
-
-    def memory_bytes(self) -> int:
-        arrays = (self.table_keys, self.table_blocks, self.free, *self.chunks)
-        return sum(a.nbytes for a in arrays)
+_ELEMENT_VIEW = {4: (torch.int32, np.int32), 2: (torch.int16, np.int16)}
 
 
-class KVStore(ReferenceKVStore):
-    """The KV store with Numba kernels; see ``leanstate.reference.kv_store.KVStore``.
+def as_elements(t: torch.Tensor) -> np.ndarray:
+    """A row tensor as a numpy array of same-width integers (bits, not values)."""
+    torch_type, _ = _ELEMENT_VIEW[t.element_size()]
+    return t.view(torch_type).numpy()
 
-    Example::
 
-        >>> store = KVStore(16, optimizer_state_dim=1)
-        >>> store.set(torch.tensor([4]), torch.ones(1, 16))
-        >>> store.backend
-        'numba'
+def as_words(t: torch.Tensor) -> np.ndarray:
+    """A contiguous [N, W] row tensor as int64 words [N, row_bytes / 8]."""
+    return t.view(torch.int64).numpy()
+
+
+class KVStoreEngine:
+    """The numba store engine; see the module docstring and ``spec/backends.md``.
+
+    Args:
+        layout: the row layout (dim, optimizer state, dtype).
+        num_shards: recorded for the front class; one table serves every shard here.
+        init_range: (low, high) of the initial weights of missing ids.
+        seed: seed of the initial weights.
     """
 
     backend = "numba"
 
-    def _new_shard(self) -> _NumbaShard:
-        return _NumbaShard(self.layout, ROWS_PER_CHUNK)
+    def __init__(
+        self, layout: RowLayout, *, num_shards: int, init_range: tuple[float, float], seed: int
+    ) -> None:
+        self.layout = layout
+        self.num_shards = num_shards
+        self.init_range = init_range
+        self.seed = seed
+        self.lock = _ReadersWriterLock()
+        self._words_per_row = layout.row_bytes // 8
+        self.table_keys = np.full(_MIN_SLOTS, _EMPTY, dtype=np.int64)
+        self.table_blocks = np.zeros(_MIN_SLOTS, dtype=np.int32)
+        self.size = 0
+        self.dead = 0
+        self.free = np.empty(_MIN_SLOTS, dtype=np.int32)
+        self.free_top = 0
+        self.handed_out = 0
+        self._map = mmap.mmap(
+            -1, POOL_STEP_ROWS * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        self._view_pool()
 
-    def _shard_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(_shards_of(ids.numpy(), self.num_shards))
+    def _view_pool(self) -> None:
+        rows = len(self._map) // self.layout.row_bytes
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pool = raw.view(self.layout.dtype).view(rows, self.layout.width)  # the rows, typed
+        self.words = as_words(self.pool)
+        self.elems = as_elements(self.pool)
 
-    def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
+    def __len__(self) -> int:
+        return self.size
+
+    def memory_bytes(self) -> int:
+        """The mapped pool, the hash table and the free list."""
+        with self.lock.reading():
+            return len(self._map) + self.table_keys.nbytes + self.table_blocks.nbytes + self.free.nbytes
+
+    # -- capacity (under the write lock) -------------------------------------------
+
+    def _reserve(self, new: int) -> None:
+        """Room for ``new`` more keys: table at most half full, pool rows mapped."""
+        if 2 * (self.size + self.dead + new) > len(self.table_keys):
+            capacity = _MIN_SLOTS
+            while 2 * (self.size + new) > capacity:
+                capacity *= 2
+            self.table_keys, self.table_blocks = _rebuild(self.table_keys, self.table_blocks, capacity)
+            self.dead = 0
+        rows_needed = self.handed_out + max(0, new - self.free_top)
+        rows_mapped = len(self._map) // self.layout.row_bytes
+        if rows_needed > rows_mapped:
+            rows = -(-rows_needed // POOL_STEP_ROWS) * POOL_STEP_ROWS
+            del self.pool, self.words, self.elems  # no view may outlive a resize
+            self._map.resize(rows * self.layout.row_bytes)
+            self._view_pool()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), dim] initial weights in the row dtype."""
         low, high = self.init_range
-        weights = _initial_weights(ids.numpy(), self.dim, _U64(self.seed & (2**64 - 1)), low, high)
-        return torch.from_numpy(weights).to(self.dtype)
+        weights = _initial_weights(ids.numpy(), self.layout.dim, _U64(self.seed & (2**64 - 1)), low, high)
+        return torch.from_numpy(weights).to(self.layout.dtype)
+
+    def fill_initial(self, ids: torch.Tensor, blocks: np.ndarray, fresh: np.ndarray) -> None:
+        """Initial weights into the rows of freshly inserted ``ids[fresh]``."""
+        if len(fresh):
+            offset = self.layout.weight_offset
+            chosen = torch.from_numpy(blocks[fresh])
+            self.pool[chosen, offset : offset + self.layout.dim] = self.initial_weights(ids[fresh])
+
+    # -- reads ---------------------------------------------------------------------
+
+    def gather(self, ids: torch.Tensor, *, start: int, width: int, initial: bool) -> torch.Tensor:
+        out = torch.empty(len(ids), width, dtype=self.layout.dtype)
+        with self.lock.reading():
+            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
+            _gather(self.elems, blocks, start, as_elements(out))
+        if initial and width:
+            missing = torch.from_numpy(np.flatnonzero(blocks == -1))
+            if len(missing):
+                self._initial_columns(ids[missing], out, missing, start)
+        return out
+
+    def _initial_columns(
+        self, ids: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, start: int
+    ) -> None:
+        """Columns ``[start, start + width)`` of the initial rows of ``ids`` into ``out[positions]``."""
+        layout = self.layout
+        rows = torch.zeros(len(ids), layout.width, dtype=layout.dtype)
+        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = self.initial_weights(ids)
+        rows[:, : layout.header_elems].view(torch.int64)[:, 0] = ids
+        out[positions] = rows[:, start : start + out.shape[1]]
+
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        with self.lock.reading():
+            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
+
+    def metadata(self, ids: torch.Tensor) -> torch.Tensor:
+        with self.lock.reading():
+            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
+            return torch.from_numpy(_gather_metadata(self.words, blocks))
+
+    def keys(self) -> torch.Tensor:
+        with self.lock.reading():
+            keys, _ = _live(self.table_keys, self.table_blocks, self.size)
+        return torch.sort(torch.from_numpy(keys)).values
+
+    def live(self) -> tuple[torch.Tensor, np.ndarray]:
+        """(ids ascending, their blocks); call with the lock held."""
+        keys, blocks = _live(self.table_keys, self.table_blocks, self.size)
+        order = np.argsort(keys, kind="stable")
+        return torch.from_numpy(keys[order]), blocks[order]
+
+    # -- writes --------------------------------------------------------------------
+
+    def locate_or_insert(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, positions inserted) for ``ids``; call with the write lock held.
+
+        Missing non-negative ids are inserted with header (key, used), zero columns.
+        """
+        keys = ids.numpy()
+        blocks = lookup(self.table_keys, self.table_blocks, keys)
+        missing = int(np.count_nonzero(blocks == -1))
+        fresh = np.empty(missing, dtype=np.int64)
+        if missing:
+            self._reserve(missing)
+            self.free_top, self.handed_out, inserted, reused = _insert_missing(
+                self.table_keys,
+                self.table_blocks,
+                self.words,
+                keys,
+                blocks,
+                self.free,
+                self.free_top,
+                self.handed_out,
+                fresh,
+            )
+            fresh = fresh[:inserted]
+            self.size += inserted
+            self.dead -= reused
+        return blocks, fresh
+
+    def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
+        layout = self.layout
+        end = start + values.shape[1]
+        covers_weights = start <= layout.weight_offset and end >= layout.weight_offset + layout.dim
+        with self.lock.writing():
+            blocks, fresh = self.locate_or_insert(ids)
+            if not covers_weights:
+                self.fill_initial(ids, blocks, fresh)
+            winner = np.empty(len(blocks), dtype=np.bool_)
+            _mark_last_writers(self.words, blocks, winner)
+            _write_columns(self.elems, self.words, blocks, winner, as_elements(values), start, now)
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        words = as_words(rows)
+        with self.lock.writing():
+            blocks, _ = self.locate_or_insert(torch.from_numpy(words[:, 0].copy()))
+            winner = np.empty(len(blocks), dtype=np.bool_)
+            _mark_last_rows(self.words, blocks, winner)
+            _write_rows(self.words, blocks, winner, words)
+
+    def delete(self, ids: torch.Tensor) -> int:
+        with self.lock.writing():
+            return self._delete(ids.numpy())
+
+    def _delete(self, ids: np.ndarray) -> int:
+        if self.free_top + len(ids) > len(self.free):
+            grown = np.empty(max(2 * len(self.free), self.free_top + len(ids)), dtype=np.int32)
+            grown[: self.free_top] = self.free[: self.free_top]
+            self.free = grown
+        removed, self.free_top = _remove(
+            self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top
+        )
+        self.size -= removed
+        self.dead += removed
+        return removed
+
+    # -- eviction ------------------------------------------------------------------
+
+    def evict(
+        self,
+        *,
+        min_count: int | None,
+        max_age_s: int | None,
+        min_l2_norm: float | None,
+        max_rows: int | None,
+        now: int,
+    ) -> torch.Tensor:
+        """Decide and delete under the write lock: atomic with respect to every other call."""
+        layout = self.layout
+        with self.lock.writing():
+            keys, blocks = self.live()
+            meta = torch.from_numpy(self.words[blocks, 1])
+            stamp, count = meta & 0xFFFFFFFF, (meta >> 32) & COUNT_MAX
+            doomed = torch.zeros(len(keys), dtype=torch.bool)
+            if min_count is not None:
+                doomed |= count < min_count
+            if max_age_s is not None:
+                doomed |= (now - stamp) > max_age_s
+            if min_l2_norm is not None:
+                weights = self.pool[
+                    torch.from_numpy(blocks), layout.weight_offset : layout.weight_offset + layout.dim
+                ]
+                doomed |= torch.linalg.vector_norm(weights.float(), dim=1) < min_l2_norm
+            if max_rows is not None:
+                survivors = torch.nonzero(~doomed).flatten()
+                excess = len(survivors) - max_rows
+                if excess > 0:
+                    # lexsort: the last key is the primary one (count, then stamp, then id)
+                    order = np.lexsort(
+                        (keys[survivors].numpy(), stamp[survivors].numpy(), count[survivors].numpy())
+                    )
+                    doomed[survivors[torch.from_numpy(order[:excess])]] = True
+            victims = keys[doomed]
+            self._delete(victims.numpy())
+        return victims

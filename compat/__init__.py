@@ -16,6 +16,8 @@ Example::
 
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._dispatch import BackendDispatch
+from leanstate.embedding import KVEmbeddingBag, KVEmbeddingBagCollection
+from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -42,6 +44,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "KVEmbeddingBag",
+    "KVEmbeddingBagCollection",
     "KVStore",
     "KVTensor",
     "OffloadWrapper",
@@ -58,16 +62,6 @@ __all__ = [
     "save_checkpoint",
     "save_legacy_checkpoint",
 ]
-
-
-class KVStore(metaclass=BackendDispatch):
-    """A sharded id -> row store (DESIGN §3.2); see ``leanstate.reference.kv_store.KVStore``.
-
-    ``KVStore(dim, *, optimizer_state_dim=0, dtype=torch.float32, num_shards=8,
-    init_range=(-0.01, 0.01), seed=0, clock=None, backend=None)``
-    """
-
-    _component = "kv_store"
 
 
 class ZeroRedundancyOptimizer(metaclass=BackendDispatch):

@@ -1,7 +1,8 @@
 """Backend registry and selection, per component, at import time.
 
-A component (``"kv_store"``, ...) maps backend names to the module that implements it.
-Adding a backend is one line in ``_IMPLEMENTATIONS``. Selection reads
+A component (``"kv_store"``, ...) maps backend names to the module that implements it
+(``spec/backends.md``). Adding a backend is one file and one line in ``_IMPLEMENTATIONS``;
+``backend_info()``, the differential tests, the CLI and the benchmarks enumerate it. Selection reads
 ``LEANSTATE_BACKEND`` (``auto`` by default, or a backend name): under ``auto`` a CUDA
 machine prefers ``torch``, others ``numba``, and everything ends at ``reference``. A
 missing or broken optional dependency never breaks ``import leanstate``: the choice
@@ -22,6 +23,16 @@ _IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "kv_store": {
         "reference": "leanstate.reference.kv_store",
         "numba": "leanstate.accelerated.numba_kv_store",
+    },
+    "embedding": {
+        "reference": "leanstate.reference.embedding",
+        "numba": "leanstate.accelerated.numba_embedding",
+    },
+    "checkpoint": {
+        "reference": "leanstate.reference.checkpoint",
+    },
+    "wrappers": {
+        "reference": "leanstate.reference.wrappers",
     },
     "zero": {
         "reference": "leanstate.reference.zero",
@@ -103,13 +114,14 @@ def select(component: str, requested: str) -> tuple[str, list[str]]:
     raise AssertionError("the reference backend is always available")  # pragma: no cover
 
 
-def resolve(component: str, backend: str | None) -> str:
-    """The module implementing ``component``: the import-time choice or an explicit one.
+def resolve(component: str, backend: str | None) -> tuple[str, str]:
+    """(backend name, module) implementing ``component``: the import-time choice or an explicit one.
 
     An explicit ``backend=`` that cannot serve raises ``ValueError`` saying why.
     """
     if backend is None:
-        return _IMPLEMENTATIONS[component][_CHOSEN.chosen[component]]
+        name = _CHOSEN.chosen[component]
+        return name, _IMPLEMENTATIONS[component][name]
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
     if backend not in _IMPLEMENTATIONS[component]:
@@ -118,7 +130,7 @@ def resolve(component: str, backend: str | None) -> str:
     problem = _probe(backend)
     if problem is not None:
         raise ValueError(f"backend={backend!r} is unavailable here: {problem}")
-    return _IMPLEMENTATIONS[component][backend]
+    return backend, _IMPLEMENTATIONS[component][backend]
 
 
 def _select_all() -> BackendInfo:

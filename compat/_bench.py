@@ -232,7 +232,7 @@ class EmbeddingStep:
     ) -> None:
         from torch import nn
 
-        from leanstate.reference.embedding import KVEmbeddingBag
+        from leanstate.embedding import KVEmbeddingBag
 
         generator = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, rows, (batch * per_bag,), generator=generator)

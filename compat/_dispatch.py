@@ -20,7 +20,7 @@ class BackendDispatch(type):
         return cls._implementation(backend)(*args, **kwargs)
 
     def _implementation(cls, backend: str | None) -> type:
-        module = importlib.import_module(_backends.resolve(cls._component, backend))
+        module = importlib.import_module(_backends.resolve(cls._component, backend)[1])
         return getattr(module, cls.__name__)
 
     def __instancecheck__(cls, obj: object) -> bool:

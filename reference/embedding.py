@@ -1,36 +1,40 @@
-"""KV embedding bags: pooled lookups from a KV store, with fused optimizers applied in backward.
+"""KV embedding bags, reference engine: pooled lookups and the fused optimizer rules.
 
-Like FBGEMM's SSD/DRAM table-batched embeddings: the rows live in a :class:`KVStore`;
-forward gathers the distinct ids once and pools them; backward produces one gradient
-per distinct id and the fused optimizer updates the rows **during backward** (there is
-no separate ``optimizer.step()``), reading and writing weight and optimizer state in one
-store ``set`` per backward. With ``optimizer_offloading=True`` (default) the optimizer
-state lives in the row after the weight (``[header | weight | state]``); with ``False``
-it lives in a second store keyed by the same ids. See ``spec/embedding.md``.
+``leanstate.KVEmbeddingBag`` (the front module) validates its input, deduplicates the
+ids and calls two engine methods per step (``spec/backends.md``):
+
+- ``pool``: gather the distinct ids' weights and pool them into bags;
+- ``update``: in backward, sum each distinct id's gradient and apply the optimizer to
+  its weights and state **in the store**, with no separate ``optimizer.step()``, as
+  FBGEMM's table-batched embeddings do.
+
+The update rules are plain functions with one signature (the ``torch/optim/adam.py``
+model): ``rule(weights, state, grad, *, lr, eps, beta1, beta2, weight_decay, step)``
+updates ``weights`` [N, D] and ``state`` [N, S] in place. Each is written as a fixed
+sequence of float32 operations, each rounded once (no fused multiply-add, row sums
+left to right, square roots correctly rounded), so an accelerated engine can restate
+it bit for bit. See
+``spec/embedding.md``.
 
 Example::
 
-    >>> bag = KVEmbeddingBag(16, optimizer="rowwise_adagrad", lr=0.1)
-    >>> pooled = bag(torch.tensor([3, 7, 7, 9]), torch.tensor([0, 2]))   # two bags
-    >>> pooled.sum().backward()                                           # rows updated
+    >>> weights = torch.ones(2, 3); state = torch.zeros(2, 0)
+    >>> sgd(weights, state, torch.ones(2, 3), lr=0.5, eps=0.0, beta1=0.0, beta2=0.0, weight_decay=0.0, step=1)
+    >>> weights
+    tensor([[0.5000, 0.5000, 0.5000],
+            [0.5000, 0.5000, 0.5000]])
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from leanstate.reference.kv_store import KVStore
-from leanstate.reference.kv_tensor import KVTensor
-from leanstate.reference.row_format import pad4
+from leanstate.reference.kv_store import KVStoreEngine
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 
 
-def _state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:
+def state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:
     """Optimizer-state fields: name -> (first state column, width), float32 each."""
     if optimizer == "rowwise_adagrad":
         return {"momentum1": (0, 1)}
@@ -39,272 +43,153 @@ def _state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:
     return {}
 
 
-class KVEmbeddingBag(nn.Module):
-    """An embedding bag whose table is a KV store, trained by a fused optimizer.
+def _decayed(weights: torch.Tensor, grad: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """L2 weight decay in torch.optim's form: ``g + weight_decay * w``."""
+    return grad + weight_decay * weights if weight_decay else grad
+
+
+def sgd(weights, state, grad, *, lr, eps, beta1, beta2, weight_decay, step) -> None:
+    """``w = w - lr * g``."""
+    grad = _decayed(weights, grad, weight_decay)
+    weights.sub_(lr * grad)
+
+
+def _row_sum_left_to_right(values: torch.Tensor) -> torch.Tensor:
+    """Sum of each row, accumulated column by column from the left, in float32."""
+    total = torch.zeros(values.shape[0], dtype=values.dtype)
+    for c in range(values.shape[1]):
+        total = total + values[:, c]
+    return total
+
+
+def rowwise_adagrad(weights, state, grad, *, lr, eps, beta1, beta2, weight_decay, step) -> None:
+    """FBGEMM's exact rowwise Adagrad: one accumulator per row, the mean of ``g * g``.
+
+    ``m = m + sum(g * g) / D``; ``w = w - lr * (g / (sqrt(m) + eps))``.
+    """
+    grad = _decayed(weights, grad, weight_decay)
+    momentum = state[:, 0]
+    momentum.copy_(momentum + _row_sum_left_to_right(grad * grad) / weights.shape[1])
+    denominator = _sqrt(momentum) + eps
+    weights.sub_(lr * (grad / denominator[:, None]))
+
+
+def adam(weights, state, grad, *, lr, eps, beta1, beta2, weight_decay, step) -> None:
+    """Adam with bias correction by ``step`` (the module's backward count).
+
+    ``m = b1 * m + (1 - b1) * g``; ``v = b2 * v + (1 - b2) * (g * g)``;
+    ``w = w - (lr / (1 - b1^t)) * (m / (sqrt(v) / sqrt(1 - b2^t) + eps))``; the scalar
+    factors are computed in double precision, then rounded to float32.
+    """
+    grad = _decayed(weights, grad, weight_decay)
+    dim = weights.shape[1]
+    exp_avg, exp_avg_sq = state[:, :dim], state[:, dim : 2 * dim]
+    exp_avg.copy_(beta1 * exp_avg + (1 - beta1) * grad)
+    exp_avg_sq.copy_(beta2 * exp_avg_sq + (1 - beta2) * (grad * grad))
+    step_size = lr / (1 - beta1**step)
+    root_correction = (1 - beta2**step) ** 0.5
+    weights.sub_(step_size * (exp_avg / (_sqrt(exp_avg_sq) / root_correction + eps)))
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (through float64: the double rounding is exact).
+
+    torch's vectorised float32 ``sqrt`` may be off by one unit in the last place.
+    """
+    return torch.sqrt(x.double()).float()
+
+
+RULES = {"sgd": sgd, "rowwise_adagrad": rowwise_adagrad, "adam": adam}
+
+
+def bag_of_positions(offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """The bag index of each of ``length`` positions, from ``offsets`` [B + 1]."""
+    return torch.repeat_interleave(torch.arange(len(offsets) - 1), torch.diff(offsets), output_size=length)
+
+
+def bag_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    """Positions per bag as float32 [B, 1], at least 1 (an empty bag's mean is zero)."""
+    return torch.diff(offsets).clamp(min=1).to(torch.float32)[:, None]
+
+
+class EmbeddingEngine:
+    """The reference embedding engine: gathers and scatters through the store engines.
 
     Args:
-        embedding_dim: D.
-        mode: ``"sum"`` or ``"mean"`` pooling.
-        optimizer: ``"sgd"``, ``"rowwise_adagrad"`` (FBGEMM's exact rowwise Adagrad) or
-            ``"adam"``; applied to the touched rows in backward.
-        lr, eps, betas, weight_decay: the optimizer's hyperparameters (weight decay is
-            L2: ``g += weight_decay * w``).
-        optimizer_offloading: keep the optimizer state in the row (True) or in a
-            separate store (False).
-        return_whole_row: ``state_dict()["weight"]`` is a whole-row KVTensor (header,
-            weight, state); requires ``optimizer_offloading``.
-        num_shards, init_range, seed, clock, backend: of the store(s).
+        weights: the store engine holding the weights (and the state when offloaded).
+        state: the store engine holding the optimizer state when not offloaded, else None.
+        state_start: the first state column (from the start of the row) in its store.
+        optimizer: one of ``OPTIMIZERS``.
     """
+
+    backend = "reference"
 
     def __init__(
-        self,
-        embedding_dim: int,
-        *,
-        mode: str = "sum",
-        optimizer: str = "sgd",
-        lr: float = 0.01,
-        eps: float = 1e-8,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        optimizer_offloading: bool = True,
-        return_whole_row: bool = True,
-        num_shards: int = 8,
-        init_range: tuple[float, float] = (-0.01, 0.01),
-        seed: int = 0,
-        clock=None,
-        backend: str | None = None,
+        self, weights: KVStoreEngine, state: KVStoreEngine | None, *, state_start: int, optimizer: str
     ) -> None:
-        super().__init__()
-        if mode not in ("sum", "mean"):
-            raise ValueError(f"mode must be 'sum' or 'mean'; got {mode!r}")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {optimizer!r}")
-        if return_whole_row and not optimizer_offloading:
-            raise ValueError(
-                "return_whole_row=True needs optimizer_offloading=True (the whole row holds the "
-                "optimizer state only when it is offloaded into the row); pass return_whole_row=False"
-            )
-        self.embedding_dim, self.mode, self.optimizer = embedding_dim, mode, optimizer
-        self.lr, self.eps, self.betas, self.weight_decay = lr, eps, tuple(betas), weight_decay
-        self.optimizer_offloading, self.return_whole_row = optimizer_offloading, return_whole_row
-        self.fields = _state_fields(optimizer, embedding_dim)
-        state_dim = sum(width for _, width in self.fields.values())
-        self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
-        make = _store_factory(backend)
-        common = dict(num_shards=num_shards, seed=seed, clock=clock)
-        if optimizer_offloading:
-            self.store = make(embedding_dim, optimizer_state_dim=state_dim, init_range=init_range, **common)
-            self.state_store = None
-        else:
-            self.store = make(embedding_dim, init_range=init_range, **common)
-            self.state_store = make(max(1, state_dim), init_range=(0.0, 0.0), **common) if state_dim else None
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer!r}, lr={self.lr}, "
-            f"optimizer_offloading={self.optimizer_offloading}, rows={len(self.store)}"
+        self.weights, self.state, self.state_start = weights, state, state_start
+        self.rule = RULES[optimizer]
+        self.state_width = (
+            2 * weights.layout.dim if optimizer == "adam" else int(optimizer == "rowwise_adagrad")
         )
 
-    # -- forward ----------------------------------------------------------------------
-
-    def forward(
-        self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None
+    def pool(
+        self,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mean: bool,
     ) -> torch.Tensor:
-        """Pool ``ids`` into bags starting at ``offsets`` (as ``nn.EmbeddingBag``); [B, D].
+        """[B, D]: each bag's rows (``unique[inverse[p]]``), weighted, summed in position order.
 
-        Negative ids are padding: they add nothing and do not count in a mean.
+        A mean divides the sum by the bag's length.
         """
-        if ids.dtype != torch.int64 or ids.dim() != 1 or offsets.dim() != 1:
-            raise TypeError("ids must be a 1-D int64 tensor and offsets a 1-D tensor")
-        keep = ids >= 0
-        if not keep.all():
-            lengths = torch.diff(offsets, append=torch.tensor([len(ids)]))
-            bag = torch.repeat_interleave(torch.arange(len(offsets)), lengths)
-            kept = torch.bincount(bag[keep], minlength=len(offsets))
-            offsets = torch.cumsum(kept, 0) - kept
-            ids = ids[keep]
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights[keep]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = self.store.get(unique, width=self.embedding_dim)
-        if torch.is_grad_enabled() and self.training:
-            rows.requires_grad_(True)
-            rows.register_hook(lambda grad: self._apply_gradient(unique, grad))
-        return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+        layout = self.weights.layout
+        rows = self.weights.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
+        contributions = rows[inverse]
+        if per_sample_weights is not None:
+            contributions = contributions * per_sample_weights[:, None]
+        pooled = torch.zeros(len(offsets) - 1, layout.dim)
+        pooled.index_add_(0, bag_of_positions(offsets, len(inverse)), contributions)
+        return pooled / bag_lengths(offsets) if mean else pooled
 
-    # -- the fused optimizer ------------------------------------------------------------
+    def update(
+        self,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mean: bool,
+        grad_output: torch.Tensor,
+        *,
+        hyperparameters: dict[str, float],
+        step: int,
+        now: int,
+    ) -> None:
+        """Sum each distinct id's gradient in position order, apply the rule, write the rows back.
 
-    def _read_state(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, D], state [N, S]) of ``ids``, from the row or the state store."""
-        dim = self.embedding_dim
-        if self.optimizer_offloading:
-            values = self.store.get(ids)
-            return values[:, :dim], values[:, pad4(dim) :]
-        weights = self.store.get(ids, width=dim)
-        state = self.state_store.get(ids) if self.state_store is not None else torch.zeros(len(ids), 0)
-        return weights, state
-
-    def _write_state(self, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
-        dim = self.embedding_dim
-        if self.optimizer_offloading:
-            values = torch.zeros(len(ids), self.store.layout.value_width, dtype=weights.dtype)
-            values[:, :dim] = weights
-            values[:, pad4(dim) : pad4(dim) + state.shape[1]] = state[:, : self.store.layout.state_dim]
-            self.store.set(ids, values)
-        else:
-            self.store.set(ids, weights)
-            if self.state_store is not None:
-                self.state_store.set(ids, state)
-
-    def _apply_gradient(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update the rows of the distinct ``ids`` with their summed gradients ``grad``."""
-        self.optimizer_step += 1
-        weights, state = self._read_state(ids)  # fresh tensors from the store: updated in place
-        grad = grad.detach()
-        if self.weight_decay:
-            grad = grad.add(weights, alpha=self.weight_decay)  # torch.optim's form of L2
-        if self.optimizer == "sgd":
-            weights.add_(grad, alpha=-self.lr)
-        elif self.optimizer == "rowwise_adagrad":
-            momentum = state[:, 0:1]
-            momentum.add_(grad.square().mean(dim=1, keepdim=True))
-            weights.addcdiv_(grad, momentum.sqrt().add_(self.eps), value=-self.lr)
-        else:
-            dim, (beta1, beta2), t = self.embedding_dim, self.betas, self.optimizer_step
-            exp_avg, exp_avg_sq = state[:, :dim], state[:, dim : 2 * dim]
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            step_size = self.lr / (1 - beta1**t)
-            denominator = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(self.eps)
-            weights.addcdiv_(exp_avg, denominator, value=-step_size)
-        self._write_state(ids, weights, state)
-
-    # -- state ----------------------------------------------------------------------
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """KVTensors: ``weight`` (whole rows when ``return_whole_row``) and the optimizer's fields.
-
-        With offloading, the optimizer fields are read-only views into the rows (a whole-row
-        load already brought them); without, they are views of the state store.
+        Missing ids are inserted from their initial rows; every updated row counts one
+        more write and is stamped ``now``.
         """
-        out = destination if destination is not None else {}
-        if self.return_whole_row:
-            out[prefix + "weight"] = KVTensor(self.store, whole_rows=True)
-        else:
-            out[prefix + "weight"] = KVTensor(self.store, width=self.embedding_dim)
-        out.update({prefix + name: view for name, view in self._field_views().items()})
-        return out
-
-    def _field_views(self) -> dict[str, KVTensor]:
-        """One KVTensor per optimizer field: read-only in the rows, or of the state store."""
-        if not self.optimizer_offloading:
-            return {
-                name: KVTensor(self.state_store, width_offset=start, width=width)
-                for name, (start, width) in self.fields.items()
-            }
-        offset = pad4(self.embedding_dim)
-        return {
-            name: KVTensor(self.store, width_offset=offset + start, width=width, read_only=True)
-            for name, (start, width) in self.fields.items()
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True):
-        """Copy KVTensors or tensors in, chunk by chunk (whole rows by header key)."""
-        mine = self.state_dict()
-        missing = [k for k in mine if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in mine]
-        if strict and (missing or unexpected):
-            raise KeyError(f"KVEmbeddingBag.load_state_dict: missing {missing}, unexpected {unexpected}")
-        for key, target in mine.items():
-            if key not in state_dict:
-                continue
-            source = state_dict[key]
-            if target.whole_rows:  # keyed by each row's header: the ids are placeholders
-                placeholder = torch.full((len(source),), -1, dtype=torch.int64)
-                KVTensor(target.store, ids=placeholder, whole_rows=True).copy_(source)
-                continue
-            if not target.read_only:
-                ids = source.ids if isinstance(source, KVTensor) else target.ids
-                KVTensor(target.store, ids=ids, width_offset=target.width_offset, width=target.width).copy_(
-                    source
-                )
-            else:
-                target.ignored_writes += len(source)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
-        """What ``save_checkpoint`` / ``load_checkpoint`` take for this module."""
-        if self.optimizer_offloading:
-            return {"weight": KVTensor(self.store, whole_rows=True), **self._field_views()}
-        tables = {"weight": self.store}
-        if self.state_store is not None:
-            tables["optimizer_state"] = self.state_store
-        return tables
-
-    def extra_state(self) -> dict[str, int]:
-        """Dense state to save beside the tables (``extra=`` of ``save_checkpoint``)."""
-        return {"optimizer_step": self.optimizer_step}
-
-    def load_extra_state(self, extra: Mapping[str, int]) -> None:
-        """Restore what :meth:`extra_state` returned."""
-        self.optimizer_step = int(extra["optimizer_step"])
-
-
-def _store_factory(backend: str | None):
-    if backend in (None, "reference"):
-        return KVStore
-    import importlib
-
-    from leanstate import _backends
-
-    module = importlib.import_module(_backends.resolve("kv_store", backend))
-    return module.KVStore
-
-
-class KVEmbeddingBagCollection(nn.Module):
-    """Named KV embedding bags with TorchRec-shaped input and output.
-
-    ``forward(features)`` takes a KeyedJaggedTensor-like object (``keys()``, ``values()``,
-    ``lengths()``; lengths key-major, ``len(keys) * B``) and returns a dict of pooled
-    ``[B, D]`` tensors by key (what ``KeyedTensor.to_dict()`` gives).
-
-    Example::
-
-        >>> ebc = KVEmbeddingBagCollection({"user": KVEmbeddingBag(8), "item": KVEmbeddingBag(8)})
-        >>> out = ebc(KeyedJagged(["user", "item"], torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1, 0])))
-    """
-
-    def __init__(self, tables: Mapping[str, KVEmbeddingBag]) -> None:
-        super().__init__()
-        self.tables = nn.ModuleDict(tables)
-
-    def forward(self, features) -> dict[str, torch.Tensor]:
-        keys, values, lengths = list(features.keys()), features.values(), features.lengths()
-        unknown = [k for k in keys if k not in self.tables]
-        if unknown:
-            raise KeyError(f"no table for feature keys {unknown}; tables: {list(self.tables)}")
-        batch = len(lengths) // len(keys)
-        out, start = {}, 0
-        for k, key in enumerate(keys):
-            bag_lengths = lengths[k * batch : (k + 1) * batch]
-            count = int(bag_lengths.sum())
-            offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
-            out[key] = self.tables[key](values[start : start + count], offsets)
-            start += count
-        return out
-
-
-class KeyedJagged:
-    """A minimal KeyedJaggedTensor stand-in: keys, values and key-major lengths."""
-
-    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> None:
-        self._keys, self._values, self._lengths = list(keys), values, lengths
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
+        layout = self.weights.layout
+        if mean:
+            grad_output = grad_output / bag_lengths(offsets)
+        contributions = grad_output[bag_of_positions(offsets, len(inverse))]
+        if per_sample_weights is not None:
+            contributions = contributions * per_sample_weights[:, None]
+        grad = torch.zeros(len(unique), layout.dim).index_add_(0, inverse, contributions)
+        start, dim = layout.weight_offset, layout.dim
+        if self.state is None:  # one read and one write of [weight | state] per row
+            end = self.state_start + self.state_width if self.state_width else start + dim
+            values = self.weights.gather(unique, start=start, width=end - start, initial=True)
+            first = self.state_start - start
+            weights, state = values[:, :dim], values[:, first : first + self.state_width]
+            self.rule(weights, state, grad, step=step, **hyperparameters)
+            self.weights.scatter(unique, values, start=start, now=now)
+            return
+        weights = self.weights.gather(unique, start=start, width=dim, initial=True)
+        state = self.state.gather(unique, start=self.state_start, width=self.state_width, initial=True)
+        self.rule(weights, state, grad, step=step, **hyperparameters)
+        self.weights.scatter(unique, weights, start=start, now=now)
+        self.state.scatter(unique, state, start=self.state_start, now=now)

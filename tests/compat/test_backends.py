@@ -7,7 +7,7 @@ import torch
 
 import leanstate
 from leanstate import _backends
-from leanstate.reference.kv_store import KVStore as ReferenceKVStore
+from leanstate.kv_store import KVStore as ReferenceKVStore
 
 
 def run_python(code: str, **env: str) -> str:

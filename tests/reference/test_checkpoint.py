@@ -12,6 +12,7 @@ import crc32c
 import pytest
 import torch
 
+from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -20,7 +21,6 @@ from leanstate.reference.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from leanstate.reference.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.row_format import header_words
@@ -315,7 +315,7 @@ def test_bad_arguments(tmp_path):
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time, torch
-    from leanstate.reference.kv_store import KVStore
+    from leanstate.kv_store import KVStore
     from leanstate.reference.checkpoint import save_checkpoint
 
     store = KVStore(16)
@@ -355,7 +355,7 @@ def test_a_save_killed_with_sigkill_leaves_the_previous_checkpoint(tmp_path):
 MEMORY_PROBE = textwrap.dedent(
     """
     import ctypes, gc, json, sys, torch
-    from leanstate.reference.kv_store import KVStore
+    from leanstate.kv_store import KVStore
     from leanstate.reference.checkpoint import load_checkpoint
     from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint
 

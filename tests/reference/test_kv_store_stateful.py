@@ -1,7 +1,7 @@
-"""A hypothesis state machine holding a KV store to a plain dict model.
+"""A hypothesis state machine holding the reference store to a plain dict model.
 
-``KVStoreMachine.make_store`` is the one hook: a backend's differential test subclasses
-the machine and builds its own store; the model stays this plain dict.
+The accelerated engines are held to the reference itself by the differential machine
+in ``tests/compat/test_kv_store_differential.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from leanstate.kv_store import KVStore
 from leanstate.reference.hashing import initial_weights
-from leanstate.reference.kv_store import KVStore
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata
 from tests.conftest import FakeClock
 
@@ -34,7 +34,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class KVStoreMachine(RuleBasedStateMachine):
     def make_store(self, dtype, num_shards, clock) -> KVStore:
         return KVStore(
-            DIM, optimizer_state_dim=STATE, dtype=dtype, num_shards=num_shards, seed=17, clock=clock
+            DIM,
+            optimizer_state_dim=STATE,
+            dtype=dtype,
+            num_shards=num_shards,
+            seed=17,
+            clock=clock,
+            backend="reference",
         )
 
     @initialize(

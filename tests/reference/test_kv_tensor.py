@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from leanstate.reference.kv_store import KVStore
+from leanstate.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import header_words
 from tests.conftest import FakeClock

@@ -1,0 +1,278 @@
+"""The ``numba`` embedding engine: pooled forward and fused optimizer updates in the rows.
+
+Same interface and bits as ``leanstate.reference.embedding.EmbeddingEngine``
+(``spec/backends.md``). Forward is one kernel that reads each bag's rows straight from
+the store's pool and pools them; backward is one kernel that sums each distinct id's
+gradient (its positions in ascending order, as the reference's ``index_add_``), applies
+the optimizer rule to the weights and state where they lie in the pool, and stamps the
+header: no gather -> math -> scatter round trip. The rules are the reference's,
+restated per element with the same float32 operations in the same order. Rows must be
+float32 here.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from leanstate.accelerated.numba_kv_store import KVStoreEngine, lookup
+from leanstate.reference.row_format import COUNT_MAX
+
+_SGD, _ADAGRAD, _ADAM = 0, 1, 2
+_RULE_IDS = {"sgd": _SGD, "rowwise_adagrad": _ADAGRAD, "adam": _ADAM}
+_USED = np.int64(-(2**63))
+_COUNT_MAX = np.int64(COUNT_MAX)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _pool(rows, blocks, initial, slot_of_missing, start, inverse, offsets, scales, mean, out):
+    """``out[b]``: the sum over bag b's positions p of ``scales[p] * row(unique[inverse[p]])``.
+
+    ``scales`` empty: unweighted. A mean divides the sum by the bag's length.
+    """
+    dim = out.shape[1]
+    for b in prange(out.shape[0]):
+        for c in range(dim):
+            out[b, c] = 0.0
+        for p in range(offsets[b], offsets[b + 1]):
+            u = inverse[p]
+            block = blocks[u]
+            if block >= 0:
+                row = rows[block, start : start + dim]
+            else:
+                row = initial[slot_of_missing[u]]
+            if scales.shape[0] > 0:
+                for c in range(dim):
+                    out[b, c] = out[b, c] + row[c] * scales[p]
+            else:
+                for c in range(dim):
+                    out[b, c] = out[b, c] + row[c]
+        if mean and offsets[b + 1] > offsets[b]:
+            length = np.float32(offsets[b + 1] - offsets[b])
+            for c in range(dim):
+                out[b, c] = out[b, c] / length
+
+
+@njit(nogil=True, cache=True)
+def _positions_by_id(inverse, unique_count, offsets):
+    """CSR of positions per distinct id, each list ascending; and the bag of each position."""
+    starts = np.zeros(unique_count + 1, dtype=np.int64)
+    for p in range(inverse.shape[0]):
+        starts[inverse[p] + 1] += 1
+    for u in range(unique_count):
+        starts[u + 1] += starts[u]
+    fill = starts[:-1].copy()
+    positions = np.empty(inverse.shape[0], dtype=np.int64)
+    for p in range(inverse.shape[0]):
+        positions[fill[inverse[p]]] = p
+        fill[inverse[p]] += 1
+    bag_of = np.empty(inverse.shape[0], dtype=np.int64)
+    for b in range(offsets.shape[0] - 1):
+        for p in range(offsets[b], offsets[b + 1]):
+            bag_of[p] = b
+    return starts, positions, bag_of
+
+
+@njit(nogil=True, cache=True)
+def _stamp(words, block, now):
+    meta = words[block, 1]
+    count = min(((meta >> 32) & _COUNT_MAX) + 1, _COUNT_MAX)
+    words[block, 1] = np.int64(now) | (count << 32) | _USED
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _update(
+    rows,
+    words,
+    blocks,
+    start,
+    state_rows,
+    state_words,
+    state_blocks,
+    state_start,
+    separate_state,
+    rule,
+    inverse,
+    offsets,
+    scales,
+    mean,
+    grad_output,
+    grad,
+    lr,
+    eps,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    weight_decay,
+    step_size,
+    root_correction,
+    now,
+):
+    dim = grad_output.shape[1]
+    starts, positions, bag_of = _positions_by_id(inverse, blocks.shape[0], offsets)
+    for u in prange(blocks.shape[0]):
+        g = grad[u]
+        for c in range(dim):
+            g[c] = 0.0
+        for k in range(starts[u], starts[u + 1]):
+            p = positions[k]
+            bag = bag_of[p]
+            length = np.float32(max(offsets[bag + 1] - offsets[bag], 1))
+            for c in range(dim):
+                contribution = grad_output[bag, c] / length if mean else grad_output[bag, c]
+                if scales.shape[0] > 0:
+                    contribution = contribution * scales[p]
+                g[c] = g[c] + contribution
+        w = rows[blocks[u], start : start + dim]
+        st = state_rows[state_blocks[u], state_start:]
+        if weight_decay != 0.0:
+            for c in range(dim):
+                g[c] = g[c] + weight_decay * w[c]
+        if rule == _SGD:
+            for c in range(dim):
+                w[c] = w[c] - lr * g[c]
+        elif rule == _ADAGRAD:
+            total = np.float32(0.0)
+            for c in range(dim):
+                total = total + g[c] * g[c]
+            st[0] = st[0] + total / np.float32(dim)
+            denominator = np.sqrt(st[0]) + eps
+            for c in range(dim):
+                w[c] = w[c] - lr * (g[c] / denominator)
+        else:
+            for c in range(dim):
+                m = beta1 * st[c] + one_minus_beta1 * g[c]
+                v = beta2 * st[dim + c] + one_minus_beta2 * (g[c] * g[c])
+                st[c] = m
+                st[dim + c] = v
+                w[c] = w[c] - step_size * (m / (np.sqrt(v) / root_correction + eps))
+        _stamp(words, blocks[u], now)
+        if separate_state:
+            _stamp(state_words, state_blocks[u], now)
+
+
+class EmbeddingEngine:
+    """The numba embedding engine over numba store engines (float32 rows).
+
+    Args:
+        weights: the store engine holding the weights (and the state when offloaded).
+        state: the store engine holding the optimizer state when not offloaded, else None.
+        state_start: the first state column (from the start of the row) in its store.
+        optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``.
+    """
+
+    backend = "numba"
+
+    def __init__(
+        self, weights: KVStoreEngine, state: KVStoreEngine | None, *, state_start: int, optimizer: str
+    ) -> None:
+        for engine in (weights, state):
+            if engine is not None and (
+                not isinstance(engine, KVStoreEngine) or engine.layout.dtype != torch.float32
+            ):
+                raise TypeError("the numba embedding engine needs float32 rows in numba stores")
+        self.weights, self.state, self.state_start = weights, state, state_start
+        self.rule = _RULE_IDS[optimizer]
+
+    @staticmethod
+    def _scales(per_sample_weights: torch.Tensor | None) -> np.ndarray:
+        if per_sample_weights is None:
+            return np.empty(0, dtype=np.float32)
+        return per_sample_weights.contiguous().numpy()
+
+    def pool(
+        self,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mean: bool,
+    ) -> torch.Tensor:
+        store = self.weights
+        layout = store.layout
+        out = torch.empty(len(offsets) - 1, layout.dim)
+        with store.lock.reading():
+            blocks = lookup(store.table_keys, store.table_blocks, unique.numpy())
+            missing = np.flatnonzero(blocks == -1)
+            slot_of_missing = np.full(len(unique), -1, dtype=np.int64)
+            slot_of_missing[missing] = np.arange(len(missing))
+            initial = store.initial_weights(unique[torch.from_numpy(missing)]).numpy()
+            _pool(
+                store.pool.numpy(),
+                blocks,
+                initial.reshape(len(missing), layout.dim),
+                slot_of_missing,
+                layout.weight_offset,
+                inverse.numpy(),
+                offsets.numpy(),
+                self._scales(per_sample_weights),
+                mean,
+                out.numpy(),
+            )
+        return out
+
+    def update(
+        self,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mean: bool,
+        grad_output: torch.Tensor,
+        *,
+        hyperparameters: dict[str, float],
+        step: int,
+        now: int,
+    ) -> None:
+        weights, state = self.weights, self.state
+        f32 = np.float32
+        lr, eps = hyperparameters["lr"], hyperparameters["eps"]
+        beta1, beta2 = hyperparameters["beta1"], hyperparameters["beta2"]
+        grad = np.empty((len(unique), weights.layout.dim), dtype=np.float32)
+        with ExitStack() as locks:
+            for engine in (weights, state):
+                if engine is not None:
+                    locks.enter_context(engine.lock.writing())
+            blocks = _insert(weights, unique)
+            state_engine, state_blocks = (
+                (state, _insert(state, unique)) if state is not None else (weights, blocks)
+            )
+            _update(
+                weights.pool.numpy(),
+                weights.words,
+                blocks,
+                weights.layout.weight_offset,
+                state_engine.pool.numpy(),
+                state_engine.words,
+                state_blocks,
+                self.state_start,
+                state is not None,
+                self.rule,
+                inverse.numpy(),
+                offsets.numpy(),
+                self._scales(per_sample_weights),
+                mean,
+                grad_output.contiguous().numpy(),
+                grad,
+                f32(lr),
+                f32(eps),
+                f32(beta1),
+                f32(1 - beta1),
+                f32(beta2),
+                f32(1 - beta2),
+                f32(hyperparameters["weight_decay"]),
+                f32(lr / (1 - beta1**step)) if self.rule == _ADAM else f32(0.0),
+                f32((1 - beta2**step) ** 0.5) if self.rule == _ADAM else f32(1.0),
+                now,
+            )
+
+
+def _insert(store: KVStoreEngine, ids: torch.Tensor) -> np.ndarray:
+    """Blocks of ``ids``, inserting missing ones from their initial rows (write lock held)."""
+    blocks, fresh = store.locate_or_insert(ids)
+    store.fill_initial(ids, blocks, fresh)
+    return blocks

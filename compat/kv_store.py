@@ -1,0 +1,333 @@
+"""``leanstate.KVStore``: the store's front class, one validation layer over any engine.
+
+The front class owns the arguments: it checks them once (a clear error naming the
+method and the argument, raised before anything is written), normalises them (ids on
+the CPU, the clock read once per call, columns counted from the start of the row) and
+hands each batch to one method of the engine of the chosen backend
+(``spec/backends.md``). Engines never validate and never see Python lists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from leanstate import _backends
+from leanstate.reference.row_format import TIMESTAMP_MAX, RowLayout, check_dtype, header_words
+
+MAX_SHARDS = 2**16
+
+
+def _system_clock() -> int:
+    return int(time.time())
+
+
+class KVStore:
+    """A sharded id -> row store with FBGEMM DRAM KV semantics (``spec/kv_store.md``).
+
+    Rows are ``[16-byte header | weight (dim, padded to 4) | optimizer state (padded to 4)]``.
+    A missing id reads as its deterministic initial row and is not inserted; a negative
+    id is padding (zeros on read, skipped on write).
+
+    Args:
+        dim: weight elements per row (D).
+        optimizer_state_dim: optimizer-state elements per row (S), 0 for none.
+        dtype: element type of the rows: float32, float16 or bfloat16.
+        num_shards: number of shards, in ``[1, 65536]``; an id's shard is
+            ``leanstate.reference.hashing.shard_of``.
+        init_range: (low, high) of the uniform initial weights of missing ids.
+        seed: seed of the initial weights; with ``init_range`` it fixes every bit.
+        clock: callable returning the time in whole seconds (``time.time`` by default);
+            stamped into the header by ``set``.
+        device: where the rows live; the CPU engines take ``None`` or ``"cpu"``.
+        backend: ``"reference"`` or ``"numba"``; default the import-time choice
+            (``leanstate.backend_info()``).
+
+    Example::
+
+        >>> store = leanstate.KVStore(4, optimizer_state_dim=1)
+        >>> store.set(torch.tensor([7, 3]), torch.ones(2, 4))
+        >>> store.get(torch.tensor([3, 7, -1]))[:, :4]
+        tensor([[1., 1., 1., 1.],
+                [1., 1., 1., 1.],
+                [0., 0., 0., 0.]])
+        >>> store.keys()
+        tensor([3, 7])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        optimizer_state_dim: int = 0,
+        dtype: torch.dtype = torch.float32,
+        num_shards: int = 8,
+        init_range: tuple[float, float] = (-0.01, 0.01),
+        seed: int = 0,
+        clock: Callable[[], int] | None = None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        check_dtype(dtype)
+        layout = RowLayout(dim, optimizer_state_dim, dtype)
+        if (
+            isinstance(num_shards, bool)
+            or not isinstance(num_shards, int)
+            or not 1 <= num_shards <= MAX_SHARDS
+        ):
+            raise ValueError(f"KVStore: num_shards must be an int in [1, {MAX_SHARDS}]; got {num_shards!r}")
+        try:
+            low, high = (float(x) for x in init_range)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"KVStore: init_range must be two floats (low, high); got {init_range!r}"
+            ) from exc
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError(
+                f"KVStore: init_range must be finite (low, high) with low <= high; got {init_range!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"KVStore: seed must be an int; got {seed!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"KVStore: clock must be a callable returning seconds, or None; got {clock!r}")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"KVStore: device={device!r}: the CPU engines keep rows on the CPU")
+        name, module = _backends.resolve("kv_store", backend)
+        self.layout = layout
+        self.num_shards = num_shards
+        self.init_range = (low, high)
+        self.seed = seed
+        self.clock = clock if clock is not None else _system_clock
+        self.backend = name
+        self._engine = importlib.import_module(module).KVStoreEngine(
+            layout, num_shards=num_shards, init_range=self.init_range, seed=seed
+        )
+
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def dim(self) -> int:
+        """Weight elements per row (D)."""
+        return self.layout.dim
+
+    @property
+    def optimizer_state_dim(self) -> int:
+        """Optimizer-state elements per row (S)."""
+        return self.layout.state_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the rows."""
+        return self.layout.dtype
+
+    def __len__(self) -> int:
+        return len(self._engine)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVStore(dim={self.dim}, optimizer_state_dim={self.optimizer_state_dim}, "
+            f"dtype={self.dtype}, num_shards={self.num_shards}, rows={len(self)}, "
+            f"width={self.layout.width}, backend={self.backend!r})"
+        )
+
+    def __reduce__(self):
+        raise TypeError(
+            "KVStore cannot be pickled (it holds locks and may be larger than memory allows twice); "
+            "save it with leanstate.save_checkpoint(path, {'name': store})"
+        )
+
+    def memory_bytes(self) -> int:
+        """Bytes the store holds: row pools plus the id maps and free lists."""
+        return self._engine.memory_bytes()
+
+    # -- validation ----------------------------------------------------------------
+
+    def _check_ids(self, ids: object, method: str, argument: str = "ids") -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{method}: {argument} must be a torch.Tensor; got {type(ids).__name__}")
+        if ids.dtype != torch.int64:
+            raise TypeError(
+                f"{method}: {argument} must have dtype torch.int64; got {ids.dtype} "
+                f"(convert with {argument}.to(torch.int64))"
+            )
+        if ids.dim() != 1:
+            raise ValueError(f"{method}: {argument} must be 1-D; got shape {tuple(ids.shape)}")
+        if ids.layout != torch.strided or ids.device.type == "meta":
+            raise ValueError(
+                f"{method}: {argument} must be a dense tensor with data; got {ids.layout} on {ids.device}"
+            )
+        return ids.cpu().contiguous()
+
+    def _check_columns(self, method: str, width_offset: object, width: object) -> tuple[int, int]:
+        total = self.layout.value_width
+        if not _is_int(width_offset) or not 0 <= width_offset <= total:
+            raise ValueError(f"{method}: width_offset must be an int in [0, {total}]; got {width_offset!r}")
+        width_offset = int(width_offset)
+        if width is None:
+            return width_offset, total - width_offset
+        if not _is_int(width) or width < 0 or width_offset + width > total:
+            raise ValueError(
+                f"{method}: width must be an int with width_offset + width <= {total}; "
+                f"got width_offset={width_offset}, width={width!r}"
+            )
+        return width_offset, int(width)
+
+    def _check_values(
+        self, method: str, argument: str, values: object, rows: int | None, width: int, *, exact: bool = False
+    ) -> torch.Tensor:
+        """``values`` must be a 2-D tensor of the store's dtype, ``rows`` x (<= or ==) ``width``."""
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{method}: {argument} must be a torch.Tensor; got {type(values).__name__}")
+        if values.dtype != self.dtype:
+            raise TypeError(
+                f"{method}: {argument} must have the store's dtype {self.dtype}; got {values.dtype} "
+                f"(convert with {argument}.to({self.dtype}))"
+            )
+        want_rows = "N" if rows is None else str(rows)
+        want_width = str(width) if exact else f"<= {width}"
+        if (
+            values.dim() != 2
+            or (rows is not None and values.shape[0] != rows)
+            or values.shape[1] > width
+            or (exact and values.shape[1] != width)
+        ):
+            raise ValueError(
+                f"{method}: {argument} must have shape [{want_rows}, {want_width}]; got {tuple(values.shape)}"
+            )
+        if values.layout != torch.strided or values.device.type == "meta":
+            raise ValueError(f"{method}: {argument} must be a dense tensor with data")
+        # A fresh, aligned copy when needed: engines read rows as int64 words.
+        values = values.cpu()
+        if not values.is_contiguous() or values.storage_offset() % (8 // values.element_size() or 1):
+            values = values.clone(memory_format=torch.contiguous_format)
+        return values
+
+    def _now(self) -> int:
+        now = int(self.clock())
+        if not 0 <= now <= TIMESTAMP_MAX:
+            raise ValueError(f"clock() returned {now}, outside the uint32 seconds range")
+        return now
+
+    # -- reads ---------------------------------------------------------------------
+
+    def get(self, ids: torch.Tensor, *, width_offset: int = 0, width: int | None = None) -> torch.Tensor:
+        """Columns ``[width_offset, width_offset + width)`` after the header, one row per id.
+
+        Missing ids give their initial row (not inserted); negative ids give zeros.
+        """
+        ids = self._check_ids(ids, "KVStore.get")
+        width_offset, width = self._check_columns("KVStore.get", width_offset, width)
+        start = self.layout.header_elems + width_offset
+        return self._engine.gather(ids, start=start, width=width, initial=True)
+
+    def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whole rows ``[N, width]`` with headers; missing and negative ids give zeros."""
+        ids = self._check_ids(ids, "KVStore.get_rows")
+        return self._engine.gather(ids, start=0, width=self.layout.width, initial=False)
+
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool tensor: which ids have a row (negative ids never do)."""
+        return self._engine.contains(self._check_ids(ids, "KVStore.contains"))
+
+    def metadata(self, ids: torch.Tensor) -> torch.Tensor:
+        """Int64 eviction metadata ``timestamp | count << 32 | used << 63`` (0 when missing)."""
+        return self._engine.metadata(self._check_ids(ids, "KVStore.metadata"))
+
+    def keys(self) -> torch.Tensor:
+        """All ids, sorted ascending, as int64."""
+        return self._engine.keys()
+
+    def keys_in_range(self, lo: int, hi: int) -> torch.Tensor:
+        """Ids in ``[lo, hi)``, sorted ascending, as int64 (bounds are Python ints up to 2**63)."""
+        for name, value in (("lo", lo), ("hi", hi)):
+            if not _is_int(value) or not -(2**63) <= value <= 2**63:
+                raise ValueError(
+                    f"KVStore.keys_in_range: {name} must be an int in [-2**63, 2**63]; got {value!r}"
+                )
+        keys = self.keys()
+        if hi > 2**63 - 1:
+            return keys[keys >= lo]
+        return keys[(keys >= lo) & (keys < hi)]
+
+    # -- writes --------------------------------------------------------------------
+
+    def set(self, ids: torch.Tensor, values: torch.Tensor, *, width_offset: int = 0) -> None:
+        """Write ``values`` ([N, w]) to columns ``[width_offset, width_offset + w)`` after the header.
+
+        Missing ids are inserted (their other columns start from the initial row);
+        every occurrence stamps the timestamp from ``clock`` and bumps ``count``; for a
+        duplicated id the last occurrence's values win; negative ids are skipped.
+        """
+        method = "KVStore.set"
+        ids = self._check_ids(ids, method)
+        width_offset, _ = self._check_columns(method, width_offset, None)
+        values = self._check_values(
+            method, "values", values, len(ids), self.layout.value_width - width_offset
+        )
+        now = self._now()
+        self._engine.scatter(ids, values, start=self.layout.header_elems + width_offset, now=now)
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """Write whole rows, each keyed by header bytes 0-7 (the checkpoint path).
+
+        The saved timestamp and count are kept and ``used`` is set. For a key that
+        appears twice, the last row wins. A negative key is an error.
+        """
+        method = "KVStore.set_rows"
+        rows = self._check_values(method, "rows", rows, None, self.layout.width, exact=True)
+        keys = header_words(rows)[:, 0]
+        if (keys < 0).any():
+            bad = int(torch.nonzero(keys < 0)[0])
+            raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
+        self._engine.write_rows(rows)
+
+    def delete(self, ids: torch.Tensor) -> int:
+        """Remove ids (missing and negative ones are ignored); returns the rows removed."""
+        return self._engine.delete(self._check_ids(ids, "KVStore.delete"))
+
+    def evict(
+        self,
+        *,
+        min_count: int | None = None,
+        max_age_s: int | None = None,
+        min_l2_norm: float | None = None,
+        max_rows: int | None = None,
+    ) -> torch.Tensor:
+        """Delete rows by policy; returns the evicted ids, sorted.
+
+        A row goes when ``count < min_count``, or it is older than ``max_age_s`` seconds
+        by ``clock``, or its weight L2 norm is below ``min_l2_norm`` (any one suffices).
+        Then, while more than ``max_rows`` rows remain, the rows with the lowest count go
+        first, ties broken by oldest timestamp, then smallest id. Decided and applied
+        atomically: a concurrent write lands wholly before or after the eviction.
+        """
+        for name, value in (("min_count", min_count), ("max_age_s", max_age_s), ("max_rows", max_rows)):
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"KVStore.evict: {name} must be an int >= 0 or None; got {value!r}")
+        if min_l2_norm is not None and (
+            isinstance(min_l2_norm, bool) or not isinstance(min_l2_norm, int | float) or not min_l2_norm >= 0
+        ):
+            raise ValueError(f"KVStore.evict: min_l2_norm must be a number >= 0 or None; got {min_l2_norm!r}")
+        now = self._now() if max_age_s is not None else 0
+        return self._engine.evict(
+            min_count=None if min_count is None else int(min_count),
+            max_age_s=None if max_age_s is None else int(max_age_s),
+            min_l2_norm=None if min_l2_norm is None else float(min_l2_norm),
+            max_rows=None if max_rows is None else int(max_rows),
+            now=now,
+        )
+
+
+def _is_int(value: object) -> bool:
+    """An integer-like (``operator.index`` works) that is not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        value.__index__()
+    except (AttributeError, TypeError):
+        return False
+    return True
