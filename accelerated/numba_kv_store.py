@@ -7,7 +7,8 @@ hash constants with the reference. The store keeps
 - one open-addressing hash table, id -> block, in two arrays (linear probing on
   ``splitmix64(id)``, tombstones for deletes, rebuilt when live + dead slots pass half);
 - one flat pool of rows in an anonymous memory map that grows in place (``mremap``:
-  no copy, and pages that were never written cost nothing), in steps of 1024 rows;
+  no copy, and pages that were never written cost nothing), in steps of 1024 rows,
+  advised to use huge pages;
 - a free list of released blocks, reused last in first out, as the reference does;
 - a readers-writer lock: reads run concurrently (the kernels release the GIL), writes
   are exclusive. One call already spreads over every core, so the shards of the
@@ -130,12 +131,12 @@ def _rebuild(table_keys, table_blocks, capacity):
 
 
 @njit(nogil=True, cache=True)
-def _insert_missing(table_keys, table_blocks, words, ids, blocks, free, free_top, handed_out, fresh):
+def _insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, handed_out, fresh):
     """Give every id with block -1 a block, in batch order (a repeat finds the first's).
 
-    A new row gets header (key, used) and otherwise keeps the pool's zeros. ``fresh``
-    receives the positions of the ids that were inserted. Returns (free_top,
-    handed_out, inserted, dead slots reused).
+    ``fresh`` receives the positions of the ids that were inserted (their headers are
+    written by ``_init_fresh``, in parallel: the first touch of new pool pages is the
+    costly part). Returns (free_top, handed_out, inserted, dead slots reused).
     """
     inserted = 0
     reused = 0
@@ -152,12 +153,19 @@ def _insert_missing(table_keys, table_blocks, words, ids, blocks, free, free_top
                 handed_out += 1
             if _place(table_keys, table_blocks, ids[i], block):
                 reused += 1
-            words[block, 0] = ids[i]
-            words[block, 1] = _USED
             fresh[inserted] = i
             inserted += 1
         blocks[i] = block
     return free_top, handed_out, inserted, reused
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _init_fresh(words, ids, blocks, fresh):
+    """Header (key, used) of each freshly inserted row; the rest keeps the pool's zeros."""
+    for k in prange(fresh.shape[0]):
+        i = fresh[k]
+        words[blocks[i], 0] = ids[i]
+        words[blocks[i], 1] = _USED
 
 
 # -- reads -------------------------------------------------------------------------------
@@ -366,6 +374,9 @@ class KVStoreEngine:
         self._view_pool()
 
     def _view_pool(self) -> None:
+        # Huge pages where the kernel offers them: a first touch then faults in 2 MiB, not 4 KiB.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         rows = len(self._map) // self.layout.row_bytes
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pool = raw.view(self.layout.dtype).view(rows, self.layout.width)  # the rows, typed
@@ -472,7 +483,6 @@ class KVStoreEngine:
             self.free_top, self.handed_out, inserted, reused = _insert_missing(
                 self.table_keys,
                 self.table_blocks,
-                self.words,
                 keys,
                 blocks,
                 self.free,
@@ -481,6 +491,7 @@ class KVStoreEngine:
                 fresh,
             )
             fresh = fresh[:inserted]
+            _init_fresh(self.words, keys, blocks, fresh)
             self.size += inserted
             self.dead -= reused
         return blocks, fresh

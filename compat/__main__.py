@@ -98,7 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from leanstate._bench import report
 
-    table = report(rows=args.rows, dim=args.dim, backend=args.backend)
+    table = report(rows=args.rows, dim=args.dim, batch=args.batch, backend=args.backend)
     with pd.option_context(
         "display.width", 200, "display.max_columns", None, "display.float_format", "{:.4g}".format
     ):
@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
-    bench.add_argument("--rows", type=int, default=200_000)
-    bench.add_argument("--dim", type=int, default=128)
-    bench.add_argument("--backend", default=None)
+    bench.add_argument("--rows", type=int, default=200_000, help="rows in each table")
+    bench.add_argument("--dim", type=int, default=128, help="embedding dim")
+    bench.add_argument("--batch", type=int, default=16_384, help="ids per store get/set batch")
+    bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
     bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path")

@@ -387,8 +387,10 @@ def load_checkpoint(
     Each entry of ``tables`` is a store or a whole-row KVTensor (rows are written by
     the key in their header) or a read-only view (a no-op, counted in its
     ``ignored_writes``). ``id_range=(lo, hi)`` loads only ids in ``[lo, hi)`` and reads
-    only the chunks that hold them. Every chunk's CRC is checked before any row is
-    applied, so a bad checkpoint leaves the stores as they were. Memory beyond the
+    only the chunks that hold them. A bad checkpoint leaves the stores as they were:
+    into stores that already hold rows, every chunk's CRC is checked before any row is
+    applied; into empty stores, rows are applied as they are read and a failure empties
+    the stores again (one read of the file instead of two). Memory beyond the
     stores is bounded by about ``chunk_bytes``: chunks are read in slices of at most
     ``chunk_bytes``, whatever the chunk size at save time.
     """
@@ -415,12 +417,32 @@ def load_checkpoint(
         table = manifest["tables"][target.name]
         _check_layout(path, target.name, table, target.store)
         plan.append((target, table, _chunks_in_range(table, id_range)))
-    # Pass 1: verify every chunk that will be applied, one slice in memory at a time.
-    for target, table, chunks in plan:
-        if table is not None:
-            for _ in _read_chunks(path, target.name, table, chunks, chunk_bytes):
-                pass
-    # Pass 2: apply. The CRC is checked again, in case the files changed since pass 1.
+    # Into stores that hold no row yet, every row is new: verify and apply in one pass,
+    # and undo a failure by emptying them again. Rows of a store that already holds some
+    # could be overwritten, which cannot be undone: verify every chunk first (pass 1).
+    written = [target.store for target, table, _ in plan if table is not None]
+    one_pass = all(len(store) == 0 for store in written) and len({id(s) for s in written}) == len(written)
+    if not one_pass:
+        for target, table, chunks in plan:
+            if table is not None:
+                for _ in _read_chunks(path, target.name, table, chunks, chunk_bytes):
+                    pass
+    try:
+        _apply(path, manifest, plan, id_range, chunk_bytes, progress)
+        if manifest["extra"] is None:
+            return {}
+        return torch.load(path / manifest["extra"], weights_only=True)
+    except BaseException:
+        if one_pass:
+            for store in written:
+                store.delete(store.keys())
+        raise
+
+
+def _apply(
+    path: Path, manifest: dict, plan: list, id_range, chunk_bytes: int, progress: Progress | None
+) -> None:
+    """Stream each planned table's rows into its store; every chunk's CRC is checked as it is read."""
     for target, table, chunks in plan:
         if table is None:  # a read-only view: its rows arrived with the whole rows
             target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
@@ -438,9 +460,6 @@ def load_checkpoint(
             done += len(rows)
             if progress is not None:
                 progress(target.name, done, table["rows"])
-    if manifest["extra"] is None:
-        return {}
-    return torch.load(path / manifest["extra"], weights_only=True)
 
 
 def row_wise_id_range(num_embeddings: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -77,7 +77,9 @@ def test_sgd_rows_after_backward_match_torch_sgd(weight_decay):
             table.weight[untouched] = before[untouched]
         # torch's SGD fuses lr * g into the subtraction; leanstate rounds each step (spec)
         got, want = bag.store.get(touched, width=D), table.weight[touched].detach()
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=1e-6, atol=1e-7, msg=lambda m, step=step: f"step {step}: {m}"
+        )
 
 
 def restated(optimizer, steps, lr, eps=1e-8, betas=(0.9, 0.999), weight_decay=0.0):

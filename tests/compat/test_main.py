@@ -23,16 +23,31 @@ def test_info_explains_the_choice():
     assert "kv_store: numba" in out and "chose numba" in out
 
 
-def test_bench_prints_ratios_beside_peers():
-    out = run("bench", "--rows", "3000", "--dim", "16")
+def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():
+    out = run("bench", "--rows", "3000", "--dim", "16", "--batch", "512").splitlines()
+    header = out.index(next(line for line in out if line.split()[:2] == ["component", "measure"]))
+    rows = out[header + 1 :]
     for needle in (
         "dense index_select",
+        "dense index_copy_",
         "plain write+fsync",
         "plain read",
         "whole-row load extra MiB",
         "torch checkpoint_wrapper",
         "EmbeddingBag(sparse)+sgd",
+        "EmbeddingBag(sparse)+adagrad",
         "torch ZeRO",
         "broadcasts per step",
     ):
-        assert needle in out
+        found = [line for line in rows if needle in line]
+        assert found, needle
+        for line in found:
+            words = line.split()
+            verdict = words[-1]  # the target is "-" or two words ("op value")
+            ratio = words[-3] if verdict == "-" else words[-4]
+            assert verdict in ("yes", "no", "-"), line
+            assert float(ratio) > 0, line
+    # every store backend is measured, and the accelerated ones carry targets
+    for backend in ("reference", "numba"):
+        assert sum(f"{backend} " in line and "index_" in line for line in rows) == 3
+    assert all(line.split()[-1] in ("yes", "no") for line in rows if " numba " in line and "index_" in line)

@@ -253,9 +253,10 @@ def corrupt(path: Path, how: str) -> None:
         ("format", r"format 'something-else'"),
     ],
 )
-def test_bad_checkpoints_are_refused_before_any_row_is_applied(saved, how, message):
+@pytest.mark.parametrize("holds_rows", [True, False], ids=["verify-first", "one-pass-undone"])
+def test_bad_checkpoints_leave_the_store_as_it_was(saved, how, message, holds_rows):
     corrupt(saved, how)
-    store = target_with_rows()
+    store = target_with_rows() if holds_rows else KVStore(6, optimizer_state_dim=2)
     before = snapshot(store)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(saved, {"t": store}, chunk_bytes=1000)
