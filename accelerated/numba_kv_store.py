@@ -409,6 +409,11 @@ class KVStoreEngine:
             self._map.resize(rows * self.layout.row_bytes)
             self._view_pool()
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more rows now: one table rebuild, the pool mapped (not touched)."""
+        with self.lock.writing():
+            self._reserve(max(0, rows))
+
     # -- helpers -------------------------------------------------------------------
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
@@ -426,8 +431,11 @@ class KVStoreEngine:
 
     # -- reads ---------------------------------------------------------------------
 
-    def gather(self, ids: torch.Tensor, *, start: int, width: int, initial: bool) -> torch.Tensor:
-        out = torch.empty(len(ids), width, dtype=self.layout.dtype)
+    def gather(
+        self, ids: torch.Tensor, *, start: int, width: int, initial: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(len(ids), width, dtype=self.layout.dtype)
         with self.lock.reading():
             blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
             _gather(self.elems, blocks, start, as_elements(out))

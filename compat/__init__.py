@@ -16,14 +16,10 @@ Example::
 
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._dispatch import BackendDispatch
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.embedding import KVEmbeddingBag, KVEmbeddingBagCollection
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    row_wise_id_range,
-    save_checkpoint,
-)
+from leanstate.reference.checkpoint import CheckpointError, row_wise_id_range
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.pinned_pool import PinnedMemoryPool

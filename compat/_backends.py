@@ -30,6 +30,7 @@ _IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     },
     "checkpoint": {
         "reference": "leanstate.reference.checkpoint",
+        "numba": "leanstate.accelerated.numba_checkpoint",
     },
     "wrappers": {
         "reference": "leanstate.reference.wrappers",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import leanstate
-from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference.legacy_checkpoint import save_legacy_checkpoint
 
 
@@ -137,7 +137,7 @@ class CheckpointIO:
 
 _MEMORY_PROBE = """
 import ctypes, gc, json, sys, torch, leanstate
-from leanstate.reference.checkpoint import load_checkpoint
+from leanstate.checkpoint import load_checkpoint
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint
 kind, path, rows, dim, backend, chunk = sys.argv[1:7]
 rows, dim, chunk = int(rows), int(dim), int(chunk)

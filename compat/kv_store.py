@@ -229,6 +229,19 @@ class KVStore:
         ids = self._check_ids(ids, "KVStore.get_rows")
         return self._engine.gather(ids, start=0, width=self.layout.width, initial=False)
 
+    def _reserve(self, rows: int) -> None:
+        """Make room for ``rows`` more rows at once (a capacity hint; results never change)."""
+        self._engine.reserve(int(rows))
+
+    def _get_rows_into(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``get_rows`` into ``out`` (contiguous ``[len(ids), width]``): a reused buffer, no allocation."""
+        ids = self._check_ids(ids, "KVStore.get_rows")
+        if out.shape != (len(ids), self.layout.width) or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"KVStore.get_rows: out must be a contiguous [{len(ids)}, {self.layout.width}] tensor"
+            )
+        return self._engine.gather(ids, start=0, width=self.layout.width, initial=False, out=out)
+
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool tensor: which ids have a row (negative ids never do)."""
         return self._engine.contains(self._check_ids(ids, "KVStore.contains"))

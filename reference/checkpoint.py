@@ -116,12 +116,42 @@ def _row_bytes(rows: torch.Tensor) -> memoryview:
 # -- save -------------------------------------------------------------------------------
 
 
+def _chunk_entry(rows: torch.Tensor, offset: int, crc: int) -> dict:
+    """The manifest entry of one chunk of ``rows`` (id-ascending) written at ``offset``."""
+    ids = header_words(rows)[:, 0]
+    return {"offset": offset, "rows": len(rows), "min_id": int(ids[0]), "max_id": int(ids[-1]), "crc": crc}
+
+
+def _table_entry(layout: RowLayout, file: Path, chunks: list[dict]) -> dict:
+    """The manifest entry of one table written to ``file`` as ``chunks``."""
+    return {
+        "file": file.name,
+        "dim": layout.dim,
+        "optimizer_state_dim": layout.state_dim,
+        "dtype": _dtype_name(layout.dtype),
+        "header_elems": layout.header_elems,
+        "width": layout.width,
+        "row_bytes": layout.row_bytes,
+        "rows": sum(c["rows"] for c in chunks),
+        "bytes": sum(c["rows"] for c in chunks) * layout.row_bytes,
+        "min_id": chunks[0]["min_id"] if chunks else None,
+        "max_id": chunks[-1]["max_id"] if chunks else None,
+        "checksum": CHECKSUM,
+        "chunks": chunks,
+    }
+
+
+def _checksum(data: memoryview) -> int:
+    """The checksum written for new chunks (``CHECKSUM``)."""
+    return _CHECKSUMS[CHECKSUM](data, 0)
+
+
 def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progress | None, name: str) -> dict:
     """Stream one store's rows to ``file`` in ascending id order; return its manifest entry."""
     layout = store.layout
     rows_per_chunk = max(1, chunk_bytes // layout.row_bytes)
     keys = store.keys()  # recomputed now: the store may have grown since any view was made
-    chunks, offset, total = [], 0, 0
+    chunks, offset = [], 0
     with open(file, "wb") as f:
         for start in range(0, len(keys), rows_per_chunk):
             rows = store.get_rows(keys[start : start + rows_per_chunk])
@@ -132,37 +162,13 @@ def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progres
                 continue
             data = _row_bytes(rows)
             f.write(data)
-            ids = header_words(rows)[:, 0]
-            chunks.append(
-                {
-                    "offset": offset,
-                    "rows": len(rows),
-                    "min_id": int(ids[0]),
-                    "max_id": int(ids[-1]),
-                    "crc": _CHECKSUMS[CHECKSUM](data, 0),
-                }
-            )
+            chunks.append(_chunk_entry(rows, offset, _checksum(data)))
             offset += len(data)
-            total += len(rows)
             if progress is not None:
                 progress(name, min(start + rows_per_chunk, len(keys)), len(keys))
         f.flush()
         os.fsync(f.fileno())
-    return {
-        "file": file.name,
-        "dim": layout.dim,
-        "optimizer_state_dim": layout.state_dim,
-        "dtype": _dtype_name(layout.dtype),
-        "header_elems": layout.header_elems,
-        "width": layout.width,
-        "row_bytes": layout.row_bytes,
-        "rows": total,
-        "bytes": offset,
-        "min_id": chunks[0]["min_id"] if chunks else None,
-        "max_id": chunks[-1]["max_id"] if chunks else None,
-        "checksum": CHECKSUM,
-        "chunks": chunks,
-    }
+    return _table_entry(layout, file, chunks)
 
 
 def save_checkpoint(
@@ -182,6 +188,24 @@ def save_checkpoint(
     leaves a half-written checkpoint at ``path`` and never destroys the previous one.
     Returns ``path``.
     """
+    return _save(
+        path, tables, extra=extra, chunk_bytes=chunk_bytes, progress=progress, write_table=_write_table
+    )
+
+
+_WriteTable = Callable[[KVStore, Path, int, "Progress | None", str], dict]
+
+
+def _save(
+    path: str | os.PathLike,
+    tables: Mapping[str, KVStore | KVTensor],
+    *,
+    extra: Mapping[str, object] | None,
+    chunk_bytes: int,
+    progress: Progress | None,
+    write_table: _WriteTable,
+) -> Path:
+    """``save_checkpoint`` with the table writer given: an accelerated writer plugs in here."""
     method = "save_checkpoint"
     _check_chunk_bytes(method, chunk_bytes)
     targets = _targets(tables, method)
@@ -218,7 +242,7 @@ def save_checkpoint(
             "extra": None,
         }
         for name, target in whole.items():
-            manifest["tables"][name] = _write_table(
+            manifest["tables"][name] = write_table(
                 target.store, staging / f"{name}.rows", chunk_bytes, progress, name
             )
         if extra is not None:

@@ -163,6 +163,9 @@ class KVStoreEngine:
                 total += shard.memory_bytes()
         return total
 
+    def reserve(self, rows: int) -> None:
+        """A capacity hint: dict shards grow by themselves, so nothing to do."""
+
     # -- helpers ---------------------------------------------------------------------
 
     def _by_shard(self, ids: torch.Tensor):
@@ -189,10 +192,13 @@ class KVStoreEngine:
 
     # -- reads ---------------------------------------------------------------------
 
-    def gather(self, ids: torch.Tensor, *, start: int, width: int, initial: bool) -> torch.Tensor:
+    def gather(
+        self, ids: torch.Tensor, *, start: int, width: int, initial: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Columns ``[start, start + width)`` of each id's row, as a new ``[N, width]`` tensor.
 
         A missing id gives its initial row (``initial=True``) or zeros; a negative id zeros.
+        ``out``: a contiguous ``[N, width]`` tensor to fill and return instead.
         """
         whole = torch.zeros(len(ids), self.layout.width, dtype=self.layout.dtype)
         for shard, positions, keys in self._by_shard(ids):
@@ -202,6 +208,8 @@ class KVStoreEngine:
                 whole[positions[present]] = shard.read(blocks[present])
             if initial and not present.all():
                 whole[positions[~present]] = self.initial_rows(keys[~present])
+        if out is not None:
+            return out.copy_(whole[:, start : start + width])
         return whole[:, start : start + width].clone()
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,11 @@ def test_demo_runs_the_store_scenario():
     assert "rows and headers identical: True" in out
 
 
-def test_info_explains_the_choice():
+def test_info_explains_the_choice_for_every_component():
     out = run("info")
     assert "kv_store: numba" in out and "chose numba" in out
+    for component in ("kv_store", "embedding", "checkpoint", "wrappers", "zero"):
+        assert f"  {component}: " in out, component
 
 
 def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():
