@@ -61,13 +61,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    """Print the manifest of a checkpoint and verify every chunk."""
+    """Print the manifest of a checkpoint and verify every chunk and the extra state; BAD names the fault."""
     from leanstate.reference.checkpoint import CheckpointError, read_manifest, verify_checkpoint
 
     try:
         manifest = read_manifest(args.path)
     except (OSError, CheckpointError) as exc:
-        print(f"ERROR: {exc}")
+        print(f"BAD: {exc}")
         return 1
     print(f"{args.path}: {manifest['format']} version {manifest['version']}")
     for name, t in manifest["tables"].items():
@@ -88,7 +88,7 @@ def _inspect(args: argparse.Namespace) -> int:
     except (OSError, CheckpointError) as exc:
         print(f"BAD: {exc}")
         return 1
-    print(f"OK: {checked} chunks verified")
+    print(f"OK: {checked} chunks verified" + (", extra state verified" if manifest["extra"] else ""))
     return 0
 
 

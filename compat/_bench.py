@@ -113,17 +113,17 @@ class CheckpointIO:
         self.store = filled_store(rows, dim, backend)
         self.backend, self.dim, self.chunk_bytes = backend, dim, chunk_bytes
         self.path = self.folder / "ckpt"
-        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=chunk_bytes)
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=chunk_bytes, backend=backend)
         self.bytes = np.fromfile(self.path / "t.rows", dtype=np.uint8)
         self.plain = self.folder / "plain.bin"
         plain_write(self.plain, self.bytes)
 
     def save(self) -> None:
-        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes)
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes, backend=self.backend)
 
     def load(self) -> None:
         target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
-        load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes)
+        load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes, backend=self.backend)
 
     def write_plain(self) -> None:
         plain_write(self.plain, self.bytes)

@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
 import os
 import secrets
@@ -52,6 +54,7 @@ _CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Progress = Callable[[str, int, int], None]
+_MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
 
 
 class CheckpointError(ValueError):
@@ -76,8 +79,17 @@ def _targets(tables: Mapping[str, KVStore | KVTensor], method: str) -> list[_Tar
         raise TypeError(f"{method}: tables must be a mapping name -> KVStore or KVTensor")
     targets = []
     for name, value in tables.items():
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-            raise ValueError(f"{method}: table name {name!r} must be a non-empty plain file name")
+        if (
+            not isinstance(name, str)
+            or not _plain_name(name)
+            or name.startswith(".")
+            or "\0" in name
+            or len(name.encode()) > _MAX_NAME_BYTES
+        ):
+            raise ValueError(
+                f"{method}: table name {name!r} must be a plain file name: not empty, no '/', not starting "
+                f"with '.', at most {_MAX_NAME_BYTES} bytes"
+            )
         if isinstance(value, KVTensor):
             targets.append(_Target(name, value.store, value))
         elif hasattr(value, "get_rows") and hasattr(value, "set_rows"):
@@ -228,11 +240,16 @@ def _save(
             "read_only": t.view.read_only,
             "rows": len(t.store),  # the shape as of now, not as of the view's creation
         }
-    path = Path(path)
+    extra_bytes = None if extra is None else _extra_bytes(extra, method)
+    path = _checked_target(path, method)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(path)
     token = secrets.token_hex(4)
     staging = path.parent / f".{path.name}.saving-{token}"
+    lock = open(f"{staging}.lock", "w")  # held while saving: a later save leaves this one alone
+    fcntl.flock(lock, fcntl.LOCK_EX)
     staging.mkdir()
+    previous = path.parent / f".{path.name}.previous-{token}"
     try:
         manifest = {
             "format": FORMAT_NAME,
@@ -245,18 +262,21 @@ def _save(
             manifest["tables"][name] = write_table(
                 target.store, staging / f"{name}.rows", chunk_bytes, progress, name
             )
-        if extra is not None:
+        if extra_bytes is not None:
             with open(staging / EXTRA_FILE, "wb") as f:
-                torch.save(dict(extra), f)
+                f.write(extra_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-            manifest["extra"] = EXTRA_FILE
+            manifest["extra"] = {
+                "file": EXTRA_FILE,
+                "bytes": len(extra_bytes),
+                "crc": crc32c.crc32c(extra_bytes),
+            }
         with open(staging / MANIFEST, "w") as f:  # last: its presence marks a complete save
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(staging)
-        previous = path.parent / f".{path.name}.previous-{token}"
         if path.exists():
             os.rename(path, previous)
         try:
@@ -269,22 +289,207 @@ def _save(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        os.remove(lock.name)
+        lock.close()
+    # Older copies of path (this save's, or one an interrupted save left) are superseded now.
+    for old in path.parent.glob(f".{path.name}.previous-*"):
+        _remove_checkpoint(old)
     return path
+
+
+def _extra_bytes(extra: object, method: str) -> bytes:
+    """``extra`` serialised, after checking that it loads back with ``weights_only=True``."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"{method}: extra must be a mapping of names to tensors and plain values; got {type(extra).__name__}"
+        )
+    buffer = io.BytesIO()
+    torch.save(dict(extra), buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"{method}: extra must load back with torch.load(weights_only=True) (tensors, numbers, strings, "
+            f"lists and dicts of them); it does not: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        ) from exc
+    return data
+
+
+def _checked_target(path: object, method: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{method}: path must be a str or os.PathLike; got {type(path).__name__}")
+    if str(path) == "" or Path(path).name in ("", ".", ".."):
+        raise ValueError(f"{method}: path must name a checkpoint directory; got {str(path)!r}")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{method}: {path} exists and is not a directory; refusing to replace it")
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
+        raise ValueError(
+            f"{method}: {path} is a non-empty directory that is not a checkpoint; refusing to replace it"
+        )
+    return path
+
+
+def _remove_stale_staging(path: Path) -> None:
+    """Delete what killed saves of ``path`` left: staging directories and their lock files.
+
+    A save takes the lock file ``.NAME.saving-X.lock`` before it creates the staging
+    directory ``.NAME.saving-X`` and drops it after renaming that directory into place:
+    a staging directory whose lock no live save holds (or that has none) is stale.
+    """
+    for staging in path.parent.glob(f".{path.name}.saving-*"):
+        if staging.name.endswith(".lock"):
+            continue
+        try:
+            with open(f"{staging}.lock") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live save
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    for lock_file in path.parent.glob(f".{path.name}.saving-*.lock"):
+        if not Path(str(lock_file).removesuffix(".lock")).exists():
+            try:
+                with open(lock_file) as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.remove(lock_file)
+            except (BlockingIOError, FileNotFoundError):
+                continue
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory manifest first, so a half-deleted copy never looks complete."""
+    try:
+        os.remove(path / MANIFEST)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 # -- read -------------------------------------------------------------------------------
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _plain_name(value: object) -> bool:
+    return isinstance(value, str) and value == Path(value).name and value not in ("", ".", "..")
+
+
+def _table_problem(key: str, table: object) -> str | None:
+    """The first way ``table`` breaks the manifest schema (naming its key), or None."""
+    if not isinstance(table, dict):
+        return f"{key} must be an object"
+    for field in ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows", "bytes"):
+        if not _is_count(table.get(field)):
+            return f"{key}.{field} must be an int >= 0; got {table.get(field)!r}"
+    if not _plain_name(table.get("file")):
+        return f"{key}.file must be a plain file name inside the checkpoint; got {table.get('file')!r}"
+    if table.get("dtype") not in _DTYPES:
+        return f"{key}.dtype must be one of {sorted(_DTYPES)}; got {table.get('dtype')!r}"
+    if table.get("checksum") not in _CHECKSUMS:
+        return f"{key}.checksum must be one of {sorted(_CHECKSUMS)}; got {table.get('checksum')!r}"
+    try:
+        layout = RowLayout(table["dim"], table["optimizer_state_dim"], _DTYPES[table["dtype"]])
+    except ValueError as exc:
+        return f"{key}: {exc}"
+    derived = {"header_elems": layout.header_elems, "width": layout.width, "row_bytes": layout.row_bytes}
+    for field, value in derived.items():
+        if table[field] != value:
+            return f"{key}.{field} is {table[field]}, but dim, optimizer_state_dim and dtype give {value}"
+    if table["bytes"] != table["rows"] * layout.row_bytes:
+        return f"{key}.bytes is {table['bytes']}, not rows x row_bytes = {table['rows'] * layout.row_bytes}"
+    chunks = table.get("chunks")
+    if not isinstance(chunks, list):
+        return f"{key}.chunks must be a list"
+    offset, rows, last_id = 0, 0, -1
+    for i, chunk in enumerate(chunks):
+        where = f"{key}.chunks[{i}]"
+        if not isinstance(chunk, dict):
+            return f"{where} must be an object"
+        if not (_is_count(chunk.get("rows")) and chunk["rows"] > 0):
+            return f"{where}.rows must be an int > 0; got {chunk.get('rows')!r}"
+        if chunk.get("offset") != offset:
+            return f"{where}.offset is {chunk.get('offset')!r}; the chunks must be contiguous, so it must be {offset}"
+        for field in ("min_id", "max_id"):
+            if not _is_id(chunk.get(field)):
+                return f"{where}.{field} must be an id in [0, 2**63); got {chunk.get(field)!r}"
+        if not last_id < chunk["min_id"] <= chunk["max_id"]:
+            return (
+                f"{where}: ids must ascend across chunks (min_id {chunk['min_id']}, max_id {chunk['max_id']})"
+            )
+        if not (_is_count(chunk.get("crc")) and chunk["crc"] < 2**32):
+            return f"{where}.crc must be an unsigned 32-bit int; got {chunk.get('crc')!r}"
+        offset += chunk["rows"] * layout.row_bytes
+        rows += chunk["rows"]
+        last_id = chunk["max_id"]
+    if rows != table["rows"]:
+        return f"{key}.chunks hold {rows} rows; the table says {table['rows']}"
+    first = chunks[0]["min_id"] if chunks else None
+    last = chunks[-1]["max_id"] if chunks else None
+    if (table.get("min_id"), table.get("max_id")) != (first, last):
+        return f"{key}.min_id/max_id must be the first and last chunk's ({first}, {last})"
+    return None
+
+
+def _manifest_problem(manifest: object) -> str | None:
+    """The first way ``manifest`` breaks the schema of ``spec/checkpoint_format.md``, or None."""
+    if not isinstance(manifest, dict):
+        return "the manifest must be a JSON object"
+    if manifest.get("format") != FORMAT_NAME:
+        return f"format {manifest.get('format')!r} is not {FORMAT_NAME!r}"
+    if manifest.get("version") != FORMAT_VERSION:
+        return (
+            f"format version {manifest.get('version')!r} is not supported "
+            f"(this leanstate reads version {FORMAT_VERSION})"
+        )
+    tables = manifest.get("tables")
+    if not isinstance(tables, dict):
+        return "tables must be an object"
+    for name, table in tables.items():
+        problem = _table_problem(f"tables[{name!r}]", table)
+        if problem is not None:
+            return problem
+    views = manifest.get("views", {})
+    if not isinstance(views, dict):
+        return "views must be an object"
+    for name, view in views.items():
+        if not isinstance(view, dict) or view.get("table") not in tables or not _is_count(view.get("rows")):
+            return f"views[{name!r}] must name a saved table and its rows"
+    extra = manifest.get("extra")
+    if isinstance(extra, str) and _plain_name(extra):  # written before extra had a CRC
+        return None
+    if extra is not None:
+        if not isinstance(extra, dict) or not _plain_name(extra.get("file")):
+            return f"extra must be null or {{file, bytes, crc}} with a plain file name; got {extra!r}"
+        if not (_is_count(extra.get("bytes")) and _is_count(extra.get("crc")) and extra["crc"] < 2**32):
+            return f"extra.bytes and extra.crc must be ints; got {extra!r}"
+    return None
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of the checkpoint at ``path``, checked for format, version and files."""
+    """The manifest of the checkpoint at ``path``, checked against the schema.
+
+    Raises :class:`CheckpointError` naming ``manifest.json`` and the offending key, or
+    ``FileNotFoundError`` (with the previous copy an interrupted save left, if complete).
+    """
     path = Path(path)
     file = path / MANIFEST
-    if not file.exists():
-        stale = sorted(path.parent.glob(f".{path.name}.previous-*"))
+    if not file.is_file():
+        complete = [
+            p for p in sorted(path.parent.glob(f".{path.name}.previous-*")) if (p / MANIFEST).is_file()
+        ]
         hint = (
-            f"; an interrupted save left the previous checkpoint at {stale[0]} (rename it to {path})"
-            if stale
+            f"; an interrupted save left the previous checkpoint at {complete[0]} (rename it to {path})"
+            if complete
             else ""
         )
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
@@ -292,21 +497,58 @@ def read_manifest(path: str | os.PathLike) -> dict:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
-    if manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{file}: format {manifest.get('format')!r} is not {FORMAT_NAME!r}")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file}: format version {manifest.get('version')!r} is not supported "
-            f"(this leanstate reads version {FORMAT_VERSION})"
-        )
-    root = path.resolve()
-    for name, table in manifest["tables"].items():
-        data = (path / table["file"]).resolve()
-        if data.parent != root or Path(table["file"]).name != table["file"]:
-            raise CheckpointError(
-                f"{file}: table {name!r} names file {table['file']!r} outside the checkpoint directory"
-            )
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise CheckpointError(f"{file}: {problem}")
     return manifest
+
+
+def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
+    """The dense ``extra`` state, checked (size, CRC, ``weights_only`` load) before any row moves."""
+    extra = manifest["extra"]
+    if extra is None:
+        return {}
+    if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
+        extra = {"file": extra}
+    file = path / extra["file"]
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"extra state file {file} is missing") from exc
+    if "bytes" in extra:  # (the older bare-string form carries no size or CRC)
+        if len(data) != extra["bytes"]:
+            raise CheckpointError(f"{file} has {len(data)} bytes, the manifest expects {extra['bytes']}")
+        if crc32c.crc32c(data) != extra["crc"]:
+            raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{file} cannot be loaded with weights_only=True ({type(exc).__name__}: {first_line})"
+        ) from exc
+
+
+def _check_id_range(id_range: object, method: str) -> tuple[int, int] | None:
+    """``None`` or ``(lo, hi)``: integers with ``lo <= hi``, half-open, up to 2**63."""
+    if id_range is None:
+        return None
+    if not isinstance(id_range, tuple | list) or len(id_range) != 2:
+        raise ValueError(f"{method}: id_range must be None or a pair (lo, hi); got {id_range!r}")
+    lo, hi = id_range
+    for name, value in (("lo", lo), ("hi", hi)):
+        if isinstance(value, bool) or not hasattr(value, "__index__") or not -(2**63) <= int(value) <= 2**63:
+            raise ValueError(f"{method}: id_range {name} must be an int in [-2**63, 2**63]; got {value!r}")
+    if int(lo) > int(hi):
+        raise ValueError(f"{method}: id_range must have lo <= hi; got {id_range!r}")
+    return int(lo), int(hi)
+
+
+def _in_range(keys: torch.Tensor, id_range: tuple[int, int]) -> torch.Tensor:
+    """Which ``keys`` lie in the half-open ``id_range`` (bounds may be 2**63, past int64)."""
+    lo, hi = id_range
+    inside = keys >= max(lo, -(2**63))
+    return inside & (keys < hi) if hi < 2**63 else inside
 
 
 def _chunks_in_range(table: dict, id_range: tuple[int, int] | None) -> list[tuple[int, dict]]:
@@ -349,24 +591,36 @@ def _read_chunks(
         for index, chunk in chunks:
             where = f"chunk {index} of {file} (bytes {chunk['offset']}..{chunk['offset'] + chunk['rows'] * row_bytes})"
             f.seek(chunk["offset"])
-            crc = 0
+            crc, first_key, last_key = 0, None, -1
             for first in range(0, chunk["rows"], slice_rows):
                 view = memoryview(buffer)[: min(slice_rows, chunk["rows"] - first) * row_bytes]
                 if f.readinto(view) != len(view):
                     raise CheckpointError(f"table {name!r}: {where} is truncated")
                 crc = checksum(view, crc)
+                keys = torch.frombuffer(view, dtype=torch.int64).view(-1, row_bytes // 8)[:, 0]
+                if bool((keys[1:] <= keys[:-1]).any()) or int(keys[0]) <= last_key:
+                    raise CheckpointError(
+                        f"table {name!r}: {where}: its row ids do not ascend; the file is corrupt"
+                    )
+                first_key = int(keys[0]) if first_key is None else first_key
+                last_key = int(keys[-1])
                 yield index, view
             if crc != chunk["crc"]:
                 raise CheckpointError(
                     f"table {name!r}: {where} fails its {table['checksum']} check; the file is corrupt"
                 )
+            if (first_key, last_key) != (chunk["min_id"], chunk["max_id"]):
+                raise CheckpointError(
+                    f"table {name!r}: {where} holds ids {first_key}..{last_key}, the manifest says "
+                    f"{chunk['min_id']}..{chunk['max_id']}"
+                )
             yield index, None
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
-    """Check every chunk of every table; yield (table, chunk index, rows) as each passes.
+    """Check every chunk of every table, then the extra state; yield (table, chunk, rows) as each passes.
 
-    Raises :class:`CheckpointError` naming the file and chunk at the first bad one.
+    Raises :class:`CheckpointError` naming the file (and chunk) at the first bad one.
     """
     path = Path(path)
     manifest = read_manifest(path)
@@ -375,6 +629,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]
         for index, buffer in _read_chunks(path, name, table, chunks, DEFAULT_CHUNK_BYTES):
             if buffer is None:
                 yield name, index, table["chunks"][index]["rows"]
+    _read_extra(path, manifest)
 
 
 # -- load -------------------------------------------------------------------------------
@@ -419,10 +674,11 @@ def load_checkpoint(
     ``chunk_bytes``, whatever the chunk size at save time.
     """
     method = "load_checkpoint"
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{method}: path must be a str or os.PathLike; got {type(path).__name__}")
     path = Path(path)
     _check_chunk_bytes(method, chunk_bytes)
-    if id_range is not None and (len(id_range) != 2 or id_range[0] > id_range[1]):
-        raise ValueError(f"{method}: id_range must be (lo, hi) with lo <= hi; got {id_range!r}")
+    id_range = _check_id_range(id_range, method)
     targets = _targets(tables, method)
     manifest = read_manifest(path)
     plan = []
@@ -441,6 +697,7 @@ def load_checkpoint(
         table = manifest["tables"][target.name]
         _check_layout(path, target.name, table, target.store)
         plan.append((target, table, _chunks_in_range(table, id_range)))
+    extra = _read_extra(path, manifest)  # checked before any row is applied
     # Into stores that hold no row yet, every row is new: verify and apply in one pass,
     # and undo a failure by emptying them again. Rows of a store that already holds some
     # could be overwritten, which cannot be undone: verify every chunk first (pass 1).
@@ -453,9 +710,7 @@ def load_checkpoint(
                     pass
     try:
         _apply(path, manifest, plan, id_range, chunk_bytes, progress)
-        if manifest["extra"] is None:
-            return {}
-        return torch.load(path / manifest["extra"], weights_only=True)
+        return extra
     except BaseException:
         if one_pass:
             for store in written:
@@ -478,8 +733,7 @@ def _apply(
                 continue
             rows = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
             if id_range is not None:
-                keys = header_words(rows)[:, 0]
-                rows = rows[(keys >= id_range[0]) & (keys < id_range[1])]
+                rows = rows[_in_range(header_words(rows)[:, 0], id_range)]
             target.store.set_rows(rows)  # keyed by each row's header, for views too
             done += len(rows)
             if progress is not None:

@@ -31,7 +31,8 @@ INDEX = "legacy.json"
 
 def _write_tensor(file: Path, tensor: torch.Tensor) -> None:
     with open(file, "wb") as f:
-        f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"))
+        if tensor.numel():  # an empty tensor (no optimizer state) is an empty file
+            f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -62,6 +63,8 @@ def save_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, KVStore
 
 def _read_tensor(file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     raw = np.fromfile(file, dtype=np.uint8)
+    if raw.size == 0:  # an empty tensor (no optimizer state) was saved as an empty file
+        return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 

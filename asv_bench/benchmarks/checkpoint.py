@@ -1,17 +1,18 @@
 """Whole-row checkpoints beside plain sequential file I/O, and whole-row vs legacy memory.
 
-Targets (issue: whole-row checkpoints), at 1M rows x 128 fp32 on the fastest backend:
-save and load >= 0.5 x plain throughput (cost ratio <= 2), whole-row load extra memory
+Targets at 1M rows x 128 fp32 on the numba backend (store and checkpoint I/O): save and
+load >= 0.5 x plain throughput (cost ratio <= 2), whole-row load extra memory
 <= 2 x chunk_bytes + 64 MiB, legacy load extra memory >= the table.
 """
 
+from leanstate import _backends
 from leanstate._bench import CheckpointIO, best_time, load_peak_extra_bytes
 
-ROWS, DIM, CHUNK = 200_000, 128, 16 * 2**20
+ROWS, DIM, CHUNK = 1_000_000, 128, 16 * 2**20
 
 
 class CheckpointThroughput:
-    params = (["reference", "numba"],)
+    params = (sorted(_backends._IMPLEMENTATIONS["checkpoint"]),)
     param_names = ["backend"]
     timeout = 600
 

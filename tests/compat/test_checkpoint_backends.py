@@ -25,9 +25,7 @@ def filled(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "source, target, save_io, load_io", list(itertools.product(STORES, STORES, IO, IO))
-)
+@pytest.mark.parametrize("source, target, save_io, load_io", list(itertools.product(STORES, STORES, IO, IO)))
 def test_any_backend_loads_what_any_backend_saved(tmp_path, dtype, source, target, save_io, load_io):
     src = filled(source, dtype)
     leanstate.save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=4096, backend=save_io)
