@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
-from leanstate.reference.row_format import TIMESTAMP_MAX, RowLayout, check_dtype, header_words
+from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
 MAX_SHARDS = 2**16
 
@@ -326,11 +326,12 @@ class KVStore:
         ):
             raise ValueError(f"KVStore.evict: min_l2_norm must be a number >= 0 or None; got {min_l2_norm!r}")
         now = self._now() if max_age_s is not None else 0
+        # Thresholds past every count, age or size mean the same as those bounds (and fit int64).
         return self._engine.evict(
-            min_count=None if min_count is None else int(min_count),
-            max_age_s=None if max_age_s is None else int(max_age_s),
+            min_count=None if min_count is None else min(int(min_count), COUNT_MAX + 1),
+            max_age_s=None if max_age_s is None else min(int(max_age_s), TIMESTAMP_MAX + 1),
             min_l2_norm=None if min_l2_norm is None else float(min_l2_norm),
-            max_rows=None if max_rows is None else int(max_rows),
+            max_rows=None if max_rows is None else min(int(max_rows), 2**62),
             now=now,
         )
 
