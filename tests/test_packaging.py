@@ -37,6 +37,15 @@ def test_folders_are_not_importable_bare(tmp_path):
     assert subprocess.run([sys.executable, "-c", "import leanstate.reference"], cwd=tmp_path).returncode == 0
 
 
-def test_make_test_pins_torch():
-    makefile = (ROOT / "Makefile").read_text()
-    assert "torch==2.13.0" in makefile
+def test_make_test_installs_the_pinned_cpu_torch_before_the_package():
+    """The package's own range (torch>=2.4) would pull a multi-GB CUDA build if it came first."""
+    import torch
+
+    dry_run = subprocess.run(
+        ["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    installs = [line for line in dry_run if "pip install" in line and "--upgrade pip" not in line]
+    first_torch = next(i for i, line in enumerate(installs) if "torch" in line)
+    package = next(i for i, line in enumerate(installs) if " -e " in line)
+    assert "torch==2.13.0" in installs[first_torch].split() and first_torch < package, installs
+    assert torch.__version__.split("+")[0] == "2.13.0" and torch.version.cuda is None

@@ -142,6 +142,21 @@ def test_offloading_on_and_off_train_identically(optimizer):
             assert torch.equal(view.narrow(0, 0, len(view)), off.state_dict()[name].narrow(0, 0, len(view)))
 
 
+@pytest.mark.parametrize("optimizer, state", [("rowwise_adagrad", 1), ("adam", 12)])
+def test_the_state_lives_after_the_padded_weight(optimizer, state):
+    """With D = 6 the weight takes pad4(6) = 8 columns; the state starts at column 8."""
+    bag = KVEmbeddingBag(6, optimizer=optimizer, lr=0.1, clock=FakeClock())
+    (bag(torch.tensor([3]), torch.tensor([0])) * torch.randn(1, 6)).sum().backward()
+    row = bag.store.get(torch.tensor([3]))[0]
+    assert bag.store.layout.state_offset - bag.store.layout.header_elems == 8
+    assert torch.count_nonzero(row[6:8]) == 0  # the weight's padding stays zero
+    assert torch.count_nonzero(row[8 : 8 + state]) > 0  # the state was written there
+    assert torch.equal(
+        bag.state_dict()[next(iter(bag.fields))].narrow(0, 0, 1)[0],
+        row[8 : 8 + bag.fields[next(iter(bag.fields))][1]],
+    )
+
+
 def test_return_whole_row_needs_offloading():
     with pytest.raises(ValueError, match="return_whole_row=True needs optimizer_offloading=True"):
         KVEmbeddingBag(D, optimizer_offloading=False)

@@ -141,6 +141,24 @@ def test_any_kwarg_and_every_parameter_kind_reach_the_module(impl):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("impl", list(CheckpointImpl))
+@pytest.mark.parametrize("mode", ["no_grad", "eval"])
+def test_kwargs_reach_the_module_when_nothing_is_checkpointed(impl, mode):
+    for wrap in (lambda m: checkpoint_wrapper(m, impl), offload_wrapper):
+        wrapped = wrap(Signatures())
+        kwargs = dict(
+            c=torch.tensor(2.0), use_reentrant="mine-too", preserve_rng_state=7, context_fn=torch.ones(4)
+        )
+        a = torch.randn(2, 4)
+        if mode == "eval":
+            wrapped.eval()
+        with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+            out = wrapped(a, torch.ones(4), **kwargs)
+        plain = Signatures()
+        plain.load_state_dict(wrapped.state_dict())
+        assert torch.equal(out, plain(a, torch.ones(4), **kwargs))
+
+
 def test_no_wrapper_prefix_anywhere_and_state_dicts_load_both_ways():
     torch.manual_seed(0)
     plain = Stack()
@@ -314,6 +332,11 @@ def test_pool_reuses_by_size_class_and_never_exceeds_its_cap():
     # a class that does not fit falls back to pageable memory; idle buffers are kept
     big = pool.acquire(40000)
     assert big.pooled is None and pool.fallback_bytes == 60000 and pool.pooled_bytes == 57344
+    # the cap counts idle pooled buffers too, not only those in use
+    pool.release(again)
+    assert pool.in_use_bytes == 0
+    still_big = pool.acquire(40000)
+    assert still_big.pooled is None and pool.pooled_bytes == 57344 <= pool.budget_bytes
     assert size_class(1) == 4096 and size_class(4097) == 8192
 
 

@@ -146,11 +146,12 @@ def clipping(rank, world, folder):
     for norm_type in (2.0, 1.0, float("inf")):
         for model in (zero_model, plain_model):
             backward(model, batch(0, rank) * 10)
-        ours = zero.clip_grad_norm_(0.5, norm_type)
-        theirs = torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.5, norm_type)
-        assert torch.equal(ours, theirs), (norm_type, ours, theirs)
-        for p, q in zip(zero_model.parameters(), plain_model.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
+        for max_norm in (0.5, 1e9):  # 1e9: the norm is below it, so the gradients stay as they are
+            ours = zero.clip_grad_norm_(max_norm, norm_type)
+            theirs = torch.nn.utils.clip_grad_norm_(plain_model.parameters(), max_norm, norm_type)
+            assert torch.equal(ours, theirs), (norm_type, ours, theirs)
+            for p, q in zip(zero_model.parameters(), plain_model.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad)
 
 
 def state_dicts(rank, world, folder):
@@ -168,9 +169,21 @@ def state_dicts(rank, world, folder):
             for field, value in theirs["state"][key].items():
                 assert torch.equal(ours["state"][key][field], value), (key, field)
         assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
-        # it loads into a plain optimizer, which then matches
-        other = cls(make_model().parameters(), **kwargs)
+        # it loads into a plain optimizer, which then matches: same state, same next step
+        other_model = copy.deepcopy(plain_model)
+        other = cls(other_model.parameters(), **kwargs)
         other.load_state_dict(copy.deepcopy(ours))
+        for key, entry in plain.state_dict()["state"].items():
+            for field, value in entry.items():
+                assert torch.equal(other.state_dict()["state"][key][field], value), (key, field)
+        probe_model = copy.deepcopy(plain_model)
+        probe = cls(probe_model.parameters(), **kwargs)
+        probe.load_state_dict(copy.deepcopy(plain.state_dict()))
+        for model, optimizer in ((other_model, other), (probe_model, probe)):
+            model.zero_grad(set_to_none=True)
+            model(batch(99, rank)).square().mean().backward()  # this rank alone: no all-reduce
+            optimizer.step()
+        assert_same(other_model, probe_model, "a plain optimizer loaded from the consolidated state")
     else:
         try:
             zero.state_dict()
@@ -230,14 +243,62 @@ def subgroup(rank, world, folder):
 
 def elastic_save(rank, world, folder):
     cls, kwargs = OPTIMIZERS["adamw"]
-    model = make_model()
+    model, plain_model = make_model(), make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), cls, **kwargs)
+    plain = cls(plain_model.parameters(), **kwargs)
     for step in range(6):
-        backward(model, batch(step, 0))  # the same data on every rank
+        for m in (model, plain_model):
+            backward(m, batch(step, 0))  # the same data on every rank
         zero.step()
+        plain.step()
+    assert_same(model, plain_model, "after 6 steps")
     zero.consolidate_state_dict(to=0)
     if rank == 0:
-        torch.save({"model": model.state_dict(), "optim": zero.state_dict()}, Path(folder) / "elastic.pt")
+        saved = zero.state_dict()
+        expected = plain.state_dict()
+        assert saved["state"].keys() == expected["state"].keys()
+        for key, entry in expected["state"].items():
+            for field, value in entry.items():
+                assert torch.equal(saved["state"][key][field], value), (key, field)
+        torch.save({"model": model.state_dict(), "optim": saved}, Path(folder) / "elastic.pt")
+
+
+def partition(rank, world, folder):
+    """Sorted-greedy by numel: largest first, each to the rank holding the fewest elements."""
+    sizes = [3, 200, 40, 120, 7, 90, 90, 1]
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    totals, expected = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner = totals.index(min(totals))
+        expected[owner].append(i)
+        totals[owner] += sizes[i]
+    mine = [next(i for i, p in enumerate(params) if p is q) for q in zero.optim.param_groups[0]["params"]]
+    assert mine == expected[rank], (mine, expected[rank])
+
+
+def rebuild(rank, world, folder):
+    """A parameter frozen or thawed between steps leaves or rejoins this rank's bucket at the next step."""
+    cls, kwargs = OPTIMIZERS["sgd"]
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), cls, parameters_as_bucket_view=True, **kwargs)
+
+    def in_a_bucket(param):
+        storages = {b.untyped_storage().data_ptr() for b in zero._buckets[param.device]}
+        return param.untyped_storage().data_ptr() in storages
+
+    weight = inner(model)[2].weight
+    backward(model, batch(0, rank))
+    zero.step()
+    assert in_a_bucket(weight)
+    weight.requires_grad_(False)
+    backward(model, batch(1, rank))
+    zero.step()
+    assert not in_a_bucket(weight)
+    weight.requires_grad_(True)
+    backward(model, batch(2, rank))
+    zero.step()
+    assert in_a_bucket(weight)
 
 
 def elastic_resume(rank, world, folder):
@@ -269,6 +330,8 @@ SCENARIOS = {
     "clipping": clipping,
     "state-dicts": state_dicts,
     "elastic-save": elastic_save,
+    "partition": partition,
+    "rebuild": rebuild,
     "elastic-resume": elastic_resume,
     "empty-shard": empty_shard,
     "subgroup": subgroup,
@@ -278,8 +341,8 @@ COMMON = [
 ]
 BY_WORLD = {
     1: [*COMMON, "elastic-resume"],
-    2: [*COMMON, "elastic-save"],
-    3: [*COMMON, "empty-shard", "elastic-resume"],
+    2: [*COMMON, "elastic-save", "partition", "rebuild"],
+    3: [*COMMON, "empty-shard", "elastic-resume", "partition"],
     4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
 }
 
