@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint install
+.PHONY: demo test test-slow bench lint install
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,10 @@ test: $(STAMP)
 	# CUDA-simulator tests run in their own process: the variable must be set before numba
 	# is imported. Exit 5 (none collected) is fine while no component has CUDA kernels.
 	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
-	$(BIN)/python -m pytest -q -m "not cudasim"
+	$(BIN)/python -m pytest -q -m "not cudasim and not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m leanstate bench

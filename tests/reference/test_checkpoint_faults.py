@@ -365,7 +365,9 @@ def version_at(path: Path) -> int:
     return extra["version"]
 
 
-@pytest.mark.parametrize("trial", range(20))
+@pytest.mark.parametrize(
+    "trial", [*range(20), *(pytest.param(t, marks=pytest.mark.slow) for t in range(20, 120))]
+)
 def test_a_save_killed_at_a_random_point_leaves_the_old_or_the_new_checkpoint(tmp_path, trial):
     path = tmp_path / "ck"
     replacing = trial % 4 != 0  # most trials replace a checkpoint; some save where there was none
