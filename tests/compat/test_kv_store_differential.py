@@ -17,20 +17,11 @@ from leanstate import _backends
 from leanstate.kv_store import KVStore
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata
 from tests.conftest import FakeClock
+from tests.reference.test_kv_store_stateful import DIM, STATE, same_bits, small_floats
 
 ACCELERATED = sorted(b for b in _backends._IMPLEMENTATIONS["kv_store"] if b != "reference")
-DIM, STATE = 5, 2
-POOL = st.integers(-2, 40)  # a small id pool: hits, misses and duplicates are common
+POOL = st.integers(-2, 40)  # a wider id pool than the model machine's: more misses
 id_lists = st.lists(POOL, min_size=0, max_size=16)
-small_floats = st.integers(-8, 8).map(lambda x: x / 4)  # exact in every dtype
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    )
 
 
 class DifferentialMachine(RuleBasedStateMachine):
