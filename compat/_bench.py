@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -429,20 +430,17 @@ def report(
             name=name,
         )
         del kv
-    io = CheckpointIO(rows, dim, backend)
-    try:
-        times = best_times({"save": io.save, "write": io.write_plain, "load": io.load, "read": io.read_plain})
-        add(
-            "checkpoint",
-            f"save {rows} rows s",
-            times["save"],
-            "plain write+fsync",
-            times["write"],
-            TARGETS["save"],
-        )
-        add("checkpoint", f"load {rows} rows s", times["load"], "plain read", times["read"], TARGETS["load"])
-    finally:
-        io.close()
+    for name in _backends._IMPLEMENTATIONS["checkpoint"]:
+        io = CheckpointIO(rows, dim, name)
+        try:
+            times = best_times(
+                {"save": io.save, "write": io.write_plain, "load": io.load, "read": io.read_plain}
+            )
+        finally:
+            io.close()
+        for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
+            target = TARGETS[op] if name != "reference" else None
+            add("checkpoint", f"{op} {rows} rows s", times[op], peer_name, times[peer], target, name=name)
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
@@ -517,8 +515,10 @@ def report(
         None,
         name="reference",
     )
-    for optimizer, peer in (("sgd", "sgd"), ("rowwise_adagrad", "adagrad")):
-        ours = EmbeddingStep("kv", optimizer, rows, dim, backend=backend)
+    for name, (optimizer, peer) in itertools.product(
+        _backends._IMPLEMENTATIONS["embedding"], (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
+    ):
+        ours = EmbeddingStep("kv", optimizer, rows, dim, backend=name)
         dense = EmbeddingStep("dense", peer, rows, dim)
         ours.step()
         dense.step()
@@ -529,7 +529,8 @@ def report(
             times["ours"],
             f"EmbeddingBag(sparse)+{peer}",
             times["peer"],
-            TARGETS[optimizer],
+            TARGETS[optimizer] if name != "reference" else None,
+            name=name,
         )
         del ours, dense
     zero = zero_comparison()
