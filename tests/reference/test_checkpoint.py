@@ -419,4 +419,6 @@ def test_whole_row_load_memory_is_bounded_and_the_legacy_load_is_not(tmp_path):
         results[kind] = json.loads(out.stdout)
     table = results["whole"]["table"]
     assert results["whole"]["extra"] < table / 4, results
-    assert results["legacy"]["extra"] > table, results
+    # The legacy flow holds the table's three tensors at once: its peak is the table's
+    # content (RSS counts whole pages, and the store's own writes add little with numba).
+    assert results["legacy"]["extra"] > 0.95 * table, results
