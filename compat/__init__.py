@@ -14,6 +14,8 @@ Example::
     torch.Size([1, 20])
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._dispatch import BackendDispatch
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
@@ -33,6 +35,11 @@ from leanstate.reference.wrappers import (
     checkpoint_wrapper,
     offload_wrapper,
 )
+
+try:
+    __version__ = version("leanstate")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ActivationWrapper",

@@ -1,10 +1,11 @@
-"""Command line: ``python -m leanstate {demo,info}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,inspect}``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -98,7 +99,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     from leanstate._bench import report
 
-    table = report(rows=args.rows, dim=args.dim, batch=args.batch, backend=args.backend)
+    with warnings.catch_warnings():  # torch's sparse-invariant notice, from the peer's Adagrad
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+        table = report(rows=args.rows, dim=args.dim, batch=args.batch, backend=args.backend)
     with pd.option_context(
         "display.width", 200, "display.max_columns", None, "display.float_format", "{:.4g}".format
     ):
@@ -116,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leanstate", description=leanstate.__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run a short store scenario on built-in data")
-    demo.add_argument("--rows", type=int, default=100_000)
-    demo.add_argument("--dim", type=int, default=128)
+    demo.add_argument("--rows", type=int, default=100_000, help="rows to insert")
+    demo.add_argument("--dim", type=int, default=128, help="embedding dim")
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
     bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
-    inspect.add_argument("path")
+    inspect.add_argument("path", help="the checkpoint directory")
     inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -69,8 +69,16 @@ class ActivationWrapper(nn.Module):
         return len(self._checkpoint_wrapped_module)
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True) -> Iterator:
-        # The wrapped module takes the wrapper's place and name; parameters, buffers and
-        # every parent's listing follow, as they go through named_modules.
+        # The wrapper is listed under its wrapped module's name, then the wrapped module
+        # takes its place: ``isinstance(m, CheckpointWrapper) for m in model.modules()``
+        # finds the wrappers, while parameter, buffer and module names never show the
+        # wrapper's attribute (the wrapper holds no parameters or buffers of its own).
+        if memo is None:
+            memo = set()
+        if self not in memo or not remove_duplicate:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
         yield from self._checkpoint_wrapped_module.named_modules(memo, prefix, remove_duplicate)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -175,6 +183,9 @@ class OffloadStats:
 class OffloadWrapper(ActivationWrapper):
     """Move the wrapped module's saved activations to host memory until backward.
 
+    Activations already on the CPU are kept where they are: on a CPU-only machine this
+    wrapper offloads nothing (``stats.offloaded_bytes`` stays 0) and says so in its repr.
+
     Args:
         module: the module whose forward is wrapped.
         pin_memory: page-locked host buffers (``"auto"``: when CUDA is available).
@@ -201,6 +212,13 @@ class OffloadWrapper(ActivationWrapper):
         self.min_offload_bytes = min_offload_bytes
         self.pool = pool or PinnedMemoryPool(pinned_budget_bytes, pin=pin_memory)
         self.stats = OffloadStats()
+
+    def extra_repr(self) -> str:
+        where = "" if torch.cuda.is_available() else ", no accelerator: CPU activations stay in place"
+        return (
+            f"min_offload_bytes={self.min_offload_bytes}, offloaded_bytes={self.stats.offloaded_bytes}, "
+            f"pinned_budget_bytes={self.pool.budget_bytes}{where}"
+        )
 
     def _module_storages(self) -> set[int]:
         module = self._checkpoint_wrapped_module
@@ -269,7 +287,7 @@ def offload_wrapper(
     pinned_budget_bytes: int | None = None,
     pool: PinnedMemoryPool | None = None,
 ) -> OffloadWrapper:
-    """Wrap ``module`` in an :class:`OffloadWrapper`.
+    """Wrap ``module`` in an :class:`OffloadWrapper` (a no-op for CPU activations: see there).
 
     Example::
 

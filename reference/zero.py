@@ -77,6 +77,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         super().__init__(params, defaults)
         if not self.param_groups or not any(g["params"] for g in self.param_groups):
             raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        self._check_one_dense_type()
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -91,6 +92,22 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._build_buckets()
         self._gathered: list[dict] | None = None
         self._initialized = True
+
+    def _check_one_dense_type(self) -> None:
+        """As torch's: every parameter dense and of one tensor type (dtype and device kind)."""
+        params = self._all_params
+        for param in params:
+            if param.layout != torch.strided:
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer only supports dense parameters; got a {param.layout} one "
+                    f"of shape {tuple(param.shape)}"
+                )
+        kinds = {(p.dtype, p.device.type) for p in params}
+        if len(kinds) > 1:
+            names = ", ".join(f"{dtype} on {device}" for dtype, device in sorted(kinds, key=str))
+            raise ValueError(
+                f"ZeroRedundancyOptimizer only supports parameters of one dense type; got {names}"
+            )
 
     # -- partition ------------------------------------------------------------------
 

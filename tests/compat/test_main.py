@@ -2,11 +2,13 @@ import subprocess
 import sys
 
 
-def run(*args: str) -> str:
+def run(*args: str, stderr: list | None = None) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "leanstate", *args], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
+    if stderr is not None:
+        stderr.append(done.stderr)
     return done.stdout
 
 
@@ -18,6 +20,20 @@ def test_demo_runs_the_store_scenario():
     assert "rows and headers identical: True" in out
 
 
+def test_version_and_help_texts():
+    import leanstate
+
+    assert leanstate.__version__ == "0.1.0"
+    for command in ("demo", "bench", "inspect"):
+        text = run(command, "--help")
+        options = [
+            line for line in text.splitlines() if line.strip().startswith("--") or line.startswith("  path")
+        ]
+        assert options and all(len(line.split(None, 1)) == 2 for line in options), (
+            text
+        )  # each has a help text
+
+
 def test_info_explains_the_choice_for_every_component():
     out = run("info")
     assert "kv_store: numba" in out and "chose numba" in out
@@ -26,7 +42,9 @@ def test_info_explains_the_choice_for_every_component():
 
 
 def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():
-    out = run("bench", "--rows", "3000", "--dim", "16", "--batch", "512").splitlines()
+    errors = []
+    out = run("bench", "--rows", "3000", "--dim", "16", "--batch", "512", stderr=errors).splitlines()
+    assert "Warning" not in errors[0], errors[0]  # the table is the whole output
     header = out.index(next(line for line in out if line.split()[:2] == ["component", "measure"]))
     rows = out[header + 1 :]
     for needle in (

@@ -159,6 +159,33 @@ def test_kwargs_reach_the_module_when_nothing_is_checkpointed(impl, mode):
         assert torch.equal(out, plain(a, torch.ones(4), **kwargs))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="states the CPU-only behaviour")
+def test_offload_on_a_cpu_only_machine_says_it_offloads_nothing():
+    wrapped = offload_wrapper(nn.Linear(64, 64), min_offload_bytes=0)
+    wrapped(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert wrapped.stats.offloaded_bytes == 0
+    text = repr(wrapped)
+    assert "offloaded_bytes=0" in text and "CPU activations stay in place" in text
+
+
+def test_modules_yield_each_wrapper_under_its_wrapped_modules_name():
+    torch.manual_seed(0)
+    plain = Stack()
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, check_fn=is_block)
+    wrapped = offload_wrapper(wrapped)
+    parent = nn.ModuleDict({"model": wrapped})
+    found = [(name, m) for name, m in parent.named_modules() if isinstance(m, CheckpointWrapper)]
+    assert [name for name, _ in found] == [f"model.layers.{i}" for i in range(3)]
+    assert sum(isinstance(m, ActivationWrapper) for m in wrapped.modules()) == 4  # 3 + the offload root
+    named = dict(parent.named_modules())
+    assert all(isinstance(named[name], Block) for name, _ in found)  # the wrapped module keeps the name
+    assert [n for n, _ in parent.named_parameters()] == [f"model.{n}" for n, _ in plain.named_parameters()]
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    apply_activation_checkpointing(wrapped, check_fn=is_block)  # finding wrappers does not re-wrap
+    assert sum(isinstance(m, CheckpointWrapper) for m in wrapped.modules()) == 3
+
+
 def test_no_wrapper_prefix_anywhere_and_state_dicts_load_both_ways():
     torch.manual_seed(0)
     plain = Stack()

@@ -263,6 +263,19 @@ def elastic_save(rank, world, folder):
         torch.save({"model": model.state_dict(), "optim": saved}, Path(folder) / "elastic.pt")
 
 
+def dense_types(rank, world, folder):
+    """Sparse parameters, or parameters of two dense types, are refused at construction (as torch's)."""
+    sparse = nn.Parameter(torch.zeros(4, 4).to_sparse())
+    mixed = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+    for params, message in (([sparse], "only supports dense parameters"), (mixed, "one dense type")):
+        try:
+            ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+        except ValueError as exc:
+            assert message in str(exc), exc
+        else:
+            raise AssertionError(f"{message}: not refused")
+
+
 def partition(rank, world, folder):
     """Sorted-greedy by numel: largest first, each to the rank holding the fewest elements."""
     sizes = [3, 200, 40, 120, 7, 90, 90, 1]
@@ -331,6 +344,7 @@ SCENARIOS = {
     "state-dicts": state_dicts,
     "elastic-save": elastic_save,
     "partition": partition,
+    "dense-types": dense_types,
     "rebuild": rebuild,
     "elastic-resume": elastic_resume,
     "empty-shard": empty_shard,
@@ -340,8 +354,8 @@ COMMON = [
     name for name in SCENARIOS if name.startswith(("parity", "closure", "add-param", "clipping", "state"))
 ]
 BY_WORLD = {
-    1: [*COMMON, "elastic-resume"],
-    2: [*COMMON, "elastic-save", "partition", "rebuild"],
+    1: [*COMMON, "elastic-resume", "dense-types"],
+    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types"],
     3: [*COMMON, "empty-shard", "elastic-resume", "partition"],
     4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
 }
