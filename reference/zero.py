@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 
@@ -45,7 +46,7 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank keeps the state of its shard only.
 
     Args:
@@ -92,6 +93,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._build_buckets()
         self._gathered: list[dict] | None = None
         self._initialized = True
+        Joinable.__init__(self)
 
     def _check_one_dense_type(self) -> None:
         """As torch's: every parameter dense and of one tensor type (dtype and device kind)."""
@@ -197,6 +199,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then broadcast every shard. Call on every rank."""
+        Join.notify_join_context(self)
         mask = self._mask()
         if mask != self._trainable_mask:
             self._build_buckets()
@@ -206,6 +209,22 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._broadcast()
         return loss
+
+    # -- uneven inputs: torch.distributed.algorithms.join ---------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For ``Join``: a rank out of inputs keeps stepping its shard and broadcasting it."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the collectives ``Join`` runs for this optimizer."""
+        return self._all_params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The process group of the collectives ``Join`` runs for this optimizer."""
+        return self.process_group
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group on every rank; earlier groups keep their ranks, so nothing moves."""
@@ -323,3 +342,14 @@ class ZeroRedundancyOptimizer(Optimizer):
                 if key != "params":
                     group[key] = copy.deepcopy(value)
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
+
+
+class _ZeroJoinHook(JoinHook):
+    """What a joined rank does each time the others step: the same step, so the
+    broadcasts of every shard still meet on every rank (as torch's ZeRO does)."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()

@@ -263,6 +263,29 @@ def elastic_save(rank, world, folder):
         torch.save({"model": model.state_dict(), "optim": saved}, Path(folder) / "elastic.pt")
 
 
+def join(rank, world, folder):
+    """Uneven inputs under ``Join([model, zero])``: the same parameters as torch's ZeRO, bit for bit."""
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    results = []
+    for implementation in (ZeroRedundancyOptimizer, TorchZero):
+        for bucket in (False, True):
+            model = DDP(make_model())
+            zero = implementation(
+                model.parameters(), torch.optim.Adam, parameters_as_bucket_view=bucket, lr=0.01
+            )
+            with Join([model, zero]):
+                for step in range(3 + 2 * rank):  # rank r has 3 + 2r batches
+                    backward(model, batch(step, rank))
+                    zero.step()
+            assert_equal_across_ranks(model)
+            results.append([p.detach().clone() for p in model.parameters()])
+    for ours, theirs in zip(results[:2], results[2:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], make_model().parameters(), strict=True))
+
+
 def dense_types(rank, world, folder):
     """Sparse parameters, or parameters of two dense types, are refused at construction (as torch's)."""
     sparse = nn.Parameter(torch.zeros(4, 4).to_sparse())
@@ -345,6 +368,7 @@ SCENARIOS = {
     "elastic-save": elastic_save,
     "partition": partition,
     "dense-types": dense_types,
+    "join": join,
     "rebuild": rebuild,
     "elastic-resume": elastic_resume,
     "empty-shard": empty_shard,
@@ -355,8 +379,8 @@ COMMON = [
 ]
 BY_WORLD = {
     1: [*COMMON, "elastic-resume", "dense-types"],
-    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types"],
-    3: [*COMMON, "empty-shard", "elastic-resume", "partition"],
+    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types", "join"],
+    3: [*COMMON, "empty-shard", "elastic-resume", "partition", "join"],
     4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
 }
 
