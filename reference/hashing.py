@@ -3,13 +3,18 @@
 Both are stated twice: once per id in plain Python integers (the definition, easy to
 check against ``spec/kv_store.md``), once over a whole tensor of ids with numpy uint64
 arithmetic (which wraps modulo 2**64 exactly as the definition does). Tests hold the
-second to the first.
+second to the first. numpy is imported inside the functions that use it, so that
+``import leanstate`` (ZeRO, the wrappers) needs torch alone.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MASK64 = 2**64 - 1
 FNV64_OFFSET = 0xCBF29CE484222325
@@ -56,6 +61,8 @@ def init_value(seed: int, key: int, column: int, low: float, high: float) -> flo
     u is the top ``INIT_BITS`` bits of :func:`init_bits` over 2**INIT_BITS; each of the
     two operations is rounded to float32. The store then casts to its dtype.
     """
+    import numpy as np
+
     f32 = np.float32
     u = f32((init_bits(seed, key, column) >> (64 - INIT_BITS)) / 2**INIT_BITS)
     span = f32(f32(high) - f32(low))
@@ -66,15 +73,21 @@ def init_value(seed: int, key: int, column: int, low: float, high: float) -> flo
 
 
 def _u64(x: int) -> np.uint64:
+    import numpy as np
+
     return np.uint64(x & MASK64)
 
 
 def _ids_u64(ids: torch.Tensor) -> np.ndarray:
+    import numpy as np
+
     return ids.detach().cpu().numpy().astype(np.int64, copy=False).view(np.uint64)
 
 
 def shards_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     """:func:`shard_of` for every id of a 1-D int64 tensor, as an int64 tensor."""
+    import numpy as np
+
     keys = _ids_u64(ids)
     h = np.full(keys.shape, FNV64_OFFSET, dtype=np.uint64)
     for i in range(8):
@@ -90,6 +103,8 @@ def shards_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
 
 
 def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     z = x + _u64(_GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * _u64(_MIX1)
     z = (z ^ (z >> np.uint64(27))) * _u64(_MIX2)
@@ -100,6 +115,8 @@ def initial_weights(
     ids: torch.Tensor, dim: int, *, seed: int, low: float, high: float, dtype: torch.dtype
 ) -> torch.Tensor:
     """[len(ids), dim] tensor of :func:`init_value` for columns ``0..dim-1``, in ``dtype``."""
+    import numpy as np
+
     keys = _ids_u64(ids)
     seeded = _splitmix64_np(np.array([seed & MASK64], dtype=np.uint64))[0]
     per_key = _splitmix64_np(keys ^ seeded)

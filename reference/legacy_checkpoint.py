@@ -20,7 +20,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from leanstate.reference.kv_store import KVStore
@@ -62,6 +61,8 @@ def save_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, KVStore
 
 
 def _read_tensor(file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    import numpy as np  # the KV code alone needs numpy: imported on first use
+
     raw = np.fromfile(file, dtype=np.uint8)
     if raw.size == 0:  # an empty tensor (no optimizer state) was saved as an empty file
         return torch.empty(shape, dtype=dtype)

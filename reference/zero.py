@@ -43,7 +43,11 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 
 def _from_bytes(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    data = data.contiguous()  # bytes of the storage, not .numpy(): ZeRO needs torch alone
+    start = data.storage_offset()
+    return torch.load(
+        io.BytesIO(bytes(data.untyped_storage())[start : start + data.numel()]), weights_only=True
+    )
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):

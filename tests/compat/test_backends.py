@@ -105,3 +105,29 @@ except ValueError as exc:
 dist.destroy_process_group()
 """
     assert run_python(code).split() == ["reference", "torch", "True", "refused:", "True"]
+
+
+def test_import_zero_and_wrappers_work_without_numpy():
+    """torch needs no numpy; neither do ``import leanstate``, ZeRO (consolidation too) and the wrappers."""
+    code = """
+import sys
+sys.modules["numpy"] = None  # as if numpy were not installed
+import os, socket, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+from torch import nn
+import leanstate
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+zero = leanstate.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=True, lr=0.1)
+model(torch.ones(2, 4)).sum().backward()
+zero.step()
+zero.consolidate_state_dict(to=0)
+wrapped = leanstate.offload_wrapper(leanstate.checkpoint_wrapper(nn.Linear(4, 4)))
+wrapped(torch.ones(2, 4, requires_grad=True)).sum().backward()
+dist.destroy_process_group()
+print(leanstate.backend_info().chosen["kv_store"], len(zero.state_dict()["state"]))
+"""
+    assert run_python(code).split() == ["reference", "4"]
