@@ -42,6 +42,30 @@ def init_value(seed: int, key: int, column: int, low: float, high: float) -> flo
     return f32(f32(f32(f32(high) - f32(low)) * u) + f32(low))
 
 
+def bf16_bits(x: float) -> int:
+    """bfloat16 bits of a float32 value: the top 16 bits, rounded to nearest even."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+def pack(fmt: str, values) -> bytes:
+    """Little-endian values of one row dtype: "f" float32, "e" float16, "b" bfloat16."""
+    values = list(values)
+    if fmt == "b":
+        return struct.pack(f"<{len(values)}H", *(bf16_bits(v) for v in values))
+    return struct.pack(f"<{len(values)}{fmt}", *values)
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli): reflected polynomial 0x82F63B78, init and final xor 0xFFFFFFFF."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
 def pad4(n: int) -> int:
     return (n + 3) // 4 * 4
 
@@ -51,28 +75,30 @@ def row_bytes(fmt: str, key: int, ts: int, count: int, used: int, weight, state)
     header = struct.pack("<qII", key, ts, count | (used << 31))
     body = list(weight) + [0.0] * (pad4(len(weight)) - len(weight))
     body += list(state) + [0.0] * (pad4(len(state)) - len(state)) if state else []
-    return header + struct.pack(f"<{len(body)}{fmt}", *body)
+    return header + pack(fmt, body)
 
 
-def golden_checkpoint(folder: Path) -> None:
-    """A tiny whole-row checkpoint: fp32, dim 3, state 1, five rows in chunks of two."""
+def golden_checkpoint(folder: Path, fmt: str, checksum: str) -> None:
+    """A tiny whole-row checkpoint: dim 3, state 1, five rows in chunks of two."""
     folder.mkdir(exist_ok=True)
     dim, state_dim, rows_per_chunk = 3, 1, 2
-    width = 4 + pad4(dim) + pad4(state_dim)
+    itemsize = 4 if fmt == "f" else 2
+    width = 16 // itemsize + pad4(dim) + pad4(state_dim)
     ids = [2, 3, 10, 11, 40]
-    records = [row_bytes("f", k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8]) for k in ids]
+    records = [row_bytes(fmt, k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8]) for k in ids]
     data = b"".join(records)
+    crc = {"crc32": zlib.crc32, "crc32c": crc32c}[checksum]
     chunks = []
     for first in range(0, len(ids), rows_per_chunk):
         part = b"".join(records[first : first + rows_per_chunk])
         group = ids[first : first + rows_per_chunk]
         chunks.append(
             {
-                "offset": first * width * 4,
+                "offset": first * width * itemsize,
                 "rows": len(group),
                 "min_id": group[0],
                 "max_id": group[-1],
-                "crc": zlib.crc32(part),
+                "crc": crc(part),
             }
         )
     manifest = {
@@ -83,15 +109,15 @@ def golden_checkpoint(folder: Path) -> None:
                 "file": "t.rows",
                 "dim": dim,
                 "optimizer_state_dim": state_dim,
-                "dtype": "float32",
-                "header_elems": 4,
+                "dtype": {"f": "float32", "e": "float16", "b": "bfloat16"}[fmt],
+                "header_elems": 16 // itemsize,
                 "width": width,
-                "row_bytes": width * 4,
+                "row_bytes": width * itemsize,
                 "rows": len(ids),
                 "bytes": len(data),
                 "min_id": ids[0],
                 "max_id": ids[-1],
-                "checksum": "crc32",
+                "checksum": checksum,
                 "chunks": chunks,
             }
         },
@@ -123,9 +149,10 @@ def main() -> None:
         "rows": [
             {
                 "id": i,
-                "float32_hex": struct.pack(
-                    "<5f", *(init_value(1234, i, c, -0.05, 0.05) for c in range(5))
-                ).hex(),
+                **{
+                    f"{name}_hex": pack(fmt, (init_value(1234, i, c, -0.05, 0.05) for c in range(5))).hex()
+                    for name, fmt in (("float32", "f"), ("float16", "e"), ("bfloat16", "b"))
+                },
             }
             for i in (0, 1, 42, 2**40 + 3, 9_999_999_999)
         ],
@@ -138,14 +165,25 @@ def main() -> None:
         "state": [0.25],
         "float32_hex": row_bytes("f", 0x0102030405060708, 1_700_000_000, 5, 1, weight, [0.25]).hex(),
         "float16_hex": row_bytes("e", 0x0102030405060708, 1_700_000_000, 5, 1, weight, [0.25]).hex(),
+        "bfloat16_hex": row_bytes("b", 0x0102030405060708, 1_700_000_000, 5, 1, weight, [0.25]).hex(),
+    }
+    checksums = {
+        "crc32c": "reflected polynomial 0x82F63B78, init 0xFFFFFFFF, final xor 0xFFFFFFFF",
+        "crc32": "zlib's CRC-32: reflected polynomial 0xEDB88320, init 0xFFFFFFFF, final xor 0xFFFFFFFF",
+        "cases": [
+            {"ascii": text, "crc32c": crc32c(text.encode()), "crc32": zlib.crc32(text.encode())}
+            for text in ("", "123456789", "leanstate")
+        ],
     }
     for name, payload in (
         ("shard_hash.json", shards),
         ("initial_rows.json", init),
         ("rows.json", rows),
+        ("checksums.json", checksums),
     ):
         (HERE / name).write_text(json.dumps(payload, indent=1) + "\n")
-    golden_checkpoint(HERE / "checkpoint_v1")
+    golden_checkpoint(HERE / "checkpoint_v1", "f", "crc32")
+    golden_checkpoint(HERE / "checkpoint_v1_bf16_crc32c", "b", "crc32c")
 
 
 if __name__ == "__main__":

@@ -111,18 +111,22 @@ def test_get_rows_and_set_rows_round_trip_keeping_metadata(make):
 def test_golden_row_bytes(make, vectors):
     v = vectors("rows.json")
     h = v["header"]
-    for dtype, field in ((torch.float32, "float32_hex"), (torch.float16, "float16_hex")):
+    for dtype, field in (
+        (torch.float32, "float32_hex"),
+        (torch.float16, "float16_hex"),
+        (torch.bfloat16, "bfloat16_hex"),
+    ):
         store = make(dim=6, state=1, dtype=dtype, clock=FakeClock(h["timestamp"]))
         key = torch.tensor([h["key"]])
         for _ in range(h["count"] - 1):
             store.set(key, torch.tensor([v["weight"]], dtype=dtype))
         store.set(key, torch.tensor([v["state"]], dtype=dtype), width_offset=8)
-        assert store.get_rows(key).numpy().tobytes().hex() == v[field]
+        assert store.get_rows(key).view(torch.uint8).numpy().tobytes().hex() == v[field]
         # and the checkpoint path reproduces the same bytes from them
         raw = bytes.fromhex(v[field])
         fresh = make(dim=6, state=1, dtype=dtype)
         fresh.set_rows(torch.frombuffer(bytearray(raw), dtype=dtype).reshape(1, -1))
-        assert fresh.get_rows(key).numpy().tobytes() == raw
+        assert fresh.get_rows(key).view(torch.uint8).numpy().tobytes() == raw
 
 
 def test_count_saturates(make):

@@ -97,6 +97,27 @@ def test_golden_checkpoint_loads_bit_exactly_and_saves_back_identically(tmp_path
     assert again_crcs == [crc32c.crc32c(p) for p in pieces]
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_golden_bfloat16_crc32c_checkpoint_loads_and_saves_back_identically(tmp_path, backend):
+    golden = VECTORS / "checkpoint_v1_bf16_crc32c"
+    store = KVStore(3, optimizer_state_dim=1, dtype=torch.bfloat16, backend=backend)
+    load_checkpoint(golden, {"t": store})
+    raw = (golden / "t.rows").read_bytes()
+    assert store.get_rows(store.keys()).view(torch.uint8).numpy().tobytes() == raw
+    table = read_manifest(golden)["tables"]["t"]
+    save_checkpoint(tmp_path / "again", {"t": store}, chunk_bytes=2 * table["row_bytes"])
+    assert (tmp_path / "again" / "t.rows").read_bytes() == raw
+    assert read_manifest(tmp_path / "again")["tables"]["t"] == table  # crc32c, chunks, every field
+
+
+def test_crc32c_is_the_castagnoli_crc_of_the_vectors(vectors):
+    v = vectors("checksums.json")
+    for case in v["cases"]:
+        data = case["ascii"].encode()
+        assert crc32c.crc32c(data) == case["crc32c"] and zlib.crc32(data) == case["crc32"]
+    assert next(c for c in v["cases"] if c["ascii"] == "123456789")["crc32c"] == 0xE3069283  # the check value
+
+
 def test_saving_the_same_store_twice_gives_the_same_bytes(tmp_path):
     src = filled()
     for name in ("a", "b"):

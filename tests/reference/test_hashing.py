@@ -38,6 +38,11 @@ def test_initial_rows_golden(vectors):
     got = initial_weights(ids, v["dim"], seed=v["seed"], low=low, high=high, dtype=torch.float32)
     for row, r in zip(got, v["rows"]):
         assert row.numpy().tobytes().hex() == r["float32_hex"]
+    for dtype, field in ((torch.float16, "float16_hex"), (torch.bfloat16, "bfloat16_hex")):
+        cast = initial_weights(ids, v["dim"], seed=v["seed"], low=low, high=high, dtype=dtype)
+        assert [row.view(torch.uint8).numpy().tobytes().hex() for row in cast] == [
+            r[field] for r in v["rows"]
+        ]
         plain = [init_value(v["seed"], r["id"], c, low, high) for c in range(v["dim"])]
         assert struct.pack(f"<{v['dim']}f", *plain).hex() == r["float32_hex"]
 
