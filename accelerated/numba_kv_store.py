@@ -330,13 +330,12 @@ class _ReadersWriterLock:
                 self._cond.notify_all()
 
 
-_ELEMENT_VIEW = {4: (torch.int32, np.int32), 2: (torch.int16, np.int16)}
+_ELEMENT_VIEW = {4: torch.int32, 2: torch.int16}
 
 
 def as_elements(t: torch.Tensor) -> np.ndarray:
     """A row tensor as a numpy array of same-width integers (bits, not values)."""
-    torch_type, _ = _ELEMENT_VIEW[t.element_size()]
-    return t.view(torch_type).numpy()
+    return t.view(_ELEMENT_VIEW[t.element_size()]).numpy()
 
 
 def as_words(t: torch.Tensor) -> np.ndarray:
