@@ -4,7 +4,8 @@ A component (``"kv_store"``, ...) maps backend names to the module that implemen
 (``spec/backends.md``). Adding a backend is one file and one line in ``_IMPLEMENTATIONS``;
 ``backend_info()``, the differential tests, the CLI and the benchmarks enumerate it. Selection reads
 ``LEANSTATE_BACKEND`` (``auto`` by default, or a backend name): under ``auto`` a CUDA
-machine prefers ``torch``, others ``numba``, and everything ends at ``reference``. A
+machine prefers ``torch``, others ``numba`` then ``torch``, and everything ends at
+``reference``. A
 missing or broken optional dependency never breaks ``import leanstate``: the choice
 falls back, and the reason is kept for :func:`backend_info`.
 """
@@ -68,7 +69,7 @@ def _cuda_present() -> bool:
 
 
 def _auto_order() -> tuple[str, ...]:
-    return ("torch", "numba", "reference") if _cuda_present() else ("numba", "reference")
+    return ("torch", "numba", "reference") if _cuda_present() else ("numba", "torch", "reference")
 
 
 @dataclass
@@ -150,7 +151,7 @@ def backend_info() -> BackendInfo:
         >>> print(leanstate.backend_info())  # doctest: +SKIP
         leanstate backends (LEANSTATE_BACKEND=auto)
           kv_store: reference
-            - auto order here: numba > reference
+            - auto order here: numba > torch > reference
             - numba: no numba implementation of kv_store yet
             - chose reference
           ...

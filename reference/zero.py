@@ -92,7 +92,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition: list[list[dict]] = self._partition_groups()
         self.optim: Optimizer = optimizer_class(self._partition[self.rank], **defaults)
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._trainable_mask = self._mask()
+        self._trainable_mask = self._agreed_mask()
         self._buckets: dict[torch.device, list[torch.Tensor]] = {}
         self._build_buckets()
         self._gathered: list[dict] | None = None
@@ -123,6 +123,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _mask(self) -> list[bool]:
         return [_trainable(p) for p in self._all_params]
+
+    def _agreed_mask(self) -> list[bool]:
+        """Which parameters go in buckets: those trainable on every rank.
+
+        The bucket layout must be the same on every rank, so with bucket views the local
+        masks are combined with one all-reduce (a parameter frozen on one rank only is
+        left out of the buckets and broadcast on its own, as a frozen one is).
+        """
+        mask = self._mask()
+        if not self.parameters_as_bucket_view:
+            return mask
+        agreed = torch.tensor(mask, dtype=torch.int32, device=self.join_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.process_group)
+        return [bool(x) for x in agreed.tolist()]
 
     def _partition_groups(self) -> list[list[dict]]:
         """Per rank, its param groups: each group's params, largest first, greedily."""
@@ -162,13 +176,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self.parameters_as_bucket_view:
             return
         self._buckets = {}
+        in_bucket = dict(zip(self._all_params, self._trainable_mask, strict=True))
         devices = {p.device for p in self._all_params}
         for device in sorted(devices, key=str):
             buckets = []
             for groups in self._partition:
                 params = [p for g in groups for p in g["params"] if p.device == device]
-                trainable = [p for p in params if _trainable(p)]
-                for frozen in (p for p in params if not _trainable(p)):
+                trainable = [p for p in params if in_bucket[p]]
+                for frozen in (p for p in params if not in_bucket[p]):
                     frozen.data = frozen.data.detach().clone()  # out of any old bucket
                 dtypes = {p.dtype for p in trainable}
                 if len(dtypes) > 1:
@@ -188,26 +203,37 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- step -------------------------------------------------------------------------
 
+    def _shard_tensors(self, rank: int) -> list[torch.Tensor]:
+        """What rank ``rank`` broadcasts: its buckets and, beside them, its parameters outside
+        any bucket (frozen ones too, so that frozen parameters stay equal across ranks)."""
+        if not self.parameters_as_bucket_view:
+            return [p.data for g in self._partition[rank] for p in g["params"]]
+        in_bucket = dict(zip(self._all_params, self._trainable_mask, strict=True))
+        outside = [p.data for g in self._partition[rank] for p in g["params"] if not in_bucket[p]]
+        return [buckets[rank] for buckets in self._buckets.values()] + outside
+
+    def _start_broadcasts(self) -> dict[int, list[dist.Work]]:
+        """Each rank's updated shard to every rank, asynchronously: rank -> its works."""
+        return {
+            rank: [
+                dist.broadcast(t, src=self._global_rank(rank), group=self.process_group, async_op=True)
+                for t in self._shard_tensors(rank)
+            ]
+            for rank in range(self.world_size)
+        }
+
     def _broadcast(self) -> None:
-        """Each rank's updated shard to every rank: per bucket, or per parameter."""
-        works = []
-        for rank in range(self.world_size):
-            source = self._global_rank(rank)
-            if self.parameters_as_bucket_view:
-                tensors = [buckets[rank] for buckets in self._buckets.values()]
-            else:
-                tensors = [p.data for g in self._partition[rank] for p in g["params"]]
-            works += [dist.broadcast(t, src=source, group=self.process_group, async_op=True) for t in tensors]
-        for work in works:
-            work.wait()
+        for works in self._start_broadcasts().values():
+            for work in works:
+                work.wait()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then broadcast every shard. Call on every rank."""
         Join.notify_join_context(self)
-        mask = self._mask()
+        mask = self._agreed_mask()
         if mask != self._trainable_mask:
-            self._build_buckets()
             self._trainable_mask = mask
+            self._build_buckets()
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
@@ -237,7 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         self._partition = self._partition_groups()
         self.optim.add_param_group(self._partition[self.rank][-1])
-        self._trainable_mask = self._mask()
+        self._trainable_mask = self._agreed_mask()
         self._build_buckets()
 
     # -- clipping ---------------------------------------------------------------------

@@ -46,7 +46,36 @@ def no_overlap_matches_reference(rank, world, folder):
     train_pair(zero_model, plain_model, zero, plain, 20, rank)
 
 
-SCENARIOS = {"overlap-parity": overlap_parity, "no-overlap": no_overlap_matches_reference}
+def overlap_without_hooks_waits(rank, world, folder):
+    """Until the pre-forward waits are installed (and once they are removed) step() waits
+    for its own broadcasts, so training is exact without overlap_with."""
+    cls, kwargs = OPTIMIZERS["adam"]
+    zero_model, plain_model = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(
+        zero_model.parameters(), cls, parameters_as_bucket_view=True, overlap_broadcast=True, **kwargs
+    )
+    plain = cls(plain_model.parameters(), **kwargs)
+    train_pair(zero_model, plain_model, zero, plain, 6, rank, flips=False)
+    assert not zero._pending
+    handles = zero.overlap_with(zero_model)
+    for step in range(6, 10):
+        if step == 9:
+            for handle in handles:
+                handle.remove()
+        for model in (zero_model, plain_model):
+            backward(model, batch(step, rank))
+        zero.step()
+        plain.step()
+        assert bool(zero._pending) == (step < 9)  # in flight only while the waits are installed
+    for p, q in zip(zero_model.parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+SCENARIOS = {
+    "overlap-parity": overlap_parity,
+    "no-overlap": no_overlap_matches_reference,
+    "overlap-without-hooks": overlap_without_hooks_waits,
+}
 BY_WORLD = {2: list(SCENARIOS), 3: list(SCENARIOS)}
 
 

@@ -68,6 +68,8 @@ def test_registry_selection_prefers_a_registered_backend(monkeypatch):
     monkeypatch.setattr(_backends, "_probe", lambda backend: None)
     monkeypatch.setattr(_backends, "_cuda_present", lambda: False)
     assert _backends.select("kv_store", "auto")[0] == "numba"
+    # ZeRO has no numba path: auto takes torch, which serves overlap_broadcast=True
+    assert _backends.select("zero", "auto")[0] == "torch"
     assert _backends.select("kv_store", "reference")[0] == "reference"
     monkeypatch.setattr(_backends, "_probe", lambda backend: "missing" if backend == "numba" else None)
     backend, reasons = _backends.select("kv_store", "numba")
@@ -96,15 +98,16 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 params = [torch.nn.Parameter(torch.ones(3))]
 default = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
 fast = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, parameters_as_bucket_view=True,
-                                         overlap_broadcast=True, lr=0.1, backend="torch")
-print(default.backend, fast.backend, isinstance(fast, leanstate.ZeroRedundancyOptimizer))
+                                         overlap_broadcast=True, lr=0.1)  # served under auto on CPU
+plain = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, backend="reference")
+print(default.backend, fast.backend, plain.backend, isinstance(fast, leanstate.ZeroRedundancyOptimizer))
 try:
     leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_broadcast=True, lr=0.1, backend="reference")
 except ValueError as exc:
     print("refused:", "backend='torch'" in str(exc))
 dist.destroy_process_group()
 """
-    assert run_python(code).split() == ["reference", "torch", "True", "refused:", "True"]
+    assert run_python(code).split() == ["torch", "torch", "reference", "True", "refused:", "True"]
 
 
 def test_import_zero_and_wrappers_work_without_numpy():

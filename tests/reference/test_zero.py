@@ -337,6 +337,29 @@ def rebuild(rank, world, folder):
     assert in_a_bucket(weight)
 
 
+def frozen_apart(bucket: bool):
+    """Frozen parameters end equal on every rank in both bucket modes, even when one rank
+    alone freezes a parameter, or each rank re-initialises a frozen one its own way."""
+
+    def scenario(rank, world, folder):
+        cls, kwargs = OPTIMIZERS["adam"]
+        model = make_model()
+        zero = ZeroRedundancyOptimizer(model.parameters(), cls, parameters_as_bucket_view=bucket, **kwargs)
+        for step in range(6):
+            if step == 2 and rank == 1:
+                model[2].weight.requires_grad_(False)  # this rank only: the bucket layouts must agree
+            if step == 3:
+                model[0].bias.requires_grad_(False)
+                with torch.no_grad():
+                    model[0].bias.fill_(float(rank))  # a different value on every rank
+            model.zero_grad(set_to_none=True)
+            model(batch(step, rank)).square().mean().backward()  # local gradients: ranks differ
+            zero.step()
+            assert_equal_across_ranks(model)
+
+    return scenario
+
+
 def elastic_resume(rank, world, folder):
     cls, kwargs = OPTIMIZERS["adamw"]
     saved = torch.load(Path(folder) / "elastic.pt", weights_only=True)
@@ -373,15 +396,17 @@ SCENARIOS = {
     "elastic-resume": elastic_resume,
     "empty-shard": empty_shard,
     "subgroup": subgroup,
+    "frozen-apart-bucket": frozen_apart(True),
+    "frozen-apart-per-param": frozen_apart(False),
 }
 COMMON = [
     name for name in SCENARIOS if name.startswith(("parity", "closure", "add-param", "clipping", "state"))
 ]
 BY_WORLD = {
     1: [*COMMON, "elastic-resume", "dense-types"],
-    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types", "join"],
-    3: [*COMMON, "empty-shard", "elastic-resume", "partition", "join"],
-    4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup"],
+    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types", "join", "frozen-apart-bucket"],
+    3: [*COMMON, "empty-shard", "elastic-resume", "partition", "join", "frozen-apart-bucket"],
+    4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup", "frozen-apart-per-param"],
 }
 
 
