@@ -6,8 +6,8 @@ the store's pool and pools them; backward is one kernel that sums each distinct 
 gradient (its positions in ascending order, as the reference's ``index_add_``), applies
 the optimizer rule to the weights and state where they lie in the pool, and stamps the
 header: no gather -> math -> scatter round trip. The rules are the reference's,
-restated per element with the same float32 operations in the same order. Rows must be
-float32 here.
+restated per element with the same float32 operations in the same order. Float32 rows
+only: 16-bit rows go through the reference engine's path over the numba stores.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from numba import njit, prange
 
 from leanstate.accelerated.numba_kv_store import KVStoreEngine, lookup
+from leanstate.reference.embedding import EmbeddingEngine as ReferenceEngine
 from leanstate.reference.row_format import COUNT_MAX
 
 _SGD, _ADAGRAD, _ADAM = 0, 1, 2
@@ -171,12 +172,17 @@ class EmbeddingEngine:
         self, weights: KVStoreEngine, state: KVStoreEngine | None, *, state_start: int, optimizer: str
     ) -> None:
         for engine in (weights, state):
-            if engine is not None and (
-                not isinstance(engine, KVStoreEngine) or engine.layout.dtype != torch.float32
-            ):
-                raise TypeError("the numba embedding engine needs float32 rows in numba stores")
+            if engine is not None and not isinstance(engine, KVStoreEngine):
+                raise TypeError("the numba embedding engine needs numba store engines")
         self.weights, self.state, self.state_start = weights, state, state_start
         self.rule = _RULE_IDS[optimizer]
+        # numba has no float16 arithmetic on the CPU: 16-bit rows take the reference's
+        # gather -> float32 rule -> scatter path, over these same numba stores.
+        self._generic = (
+            None
+            if weights.layout.dtype == torch.float32
+            else ReferenceEngine(weights, state, state_start=state_start, optimizer=optimizer)
+        )
 
     @staticmethod
     def _scales(per_sample_weights: torch.Tensor | None) -> np.ndarray:
@@ -192,6 +198,8 @@ class EmbeddingEngine:
         per_sample_weights: torch.Tensor | None,
         mean: bool,
     ) -> torch.Tensor:
+        if self._generic is not None:
+            return self._generic.pool(unique, inverse, offsets, per_sample_weights, mean)
         store = self.weights
         layout = store.layout
         out = torch.empty(len(offsets) - 1, layout.dim)
@@ -228,6 +236,12 @@ class EmbeddingEngine:
         step: int,
         now: int,
     ) -> None:
+        if self._generic is not None:
+            self._generic.update(
+                unique, inverse, offsets, per_sample_weights, mean, grad_output,
+                hyperparameters=hyperparameters, step=step, now=now,
+            )  # fmt: skip
+            return
         weights, state = self.weights, self.state
         f32 = np.float32
         lr, eps = hyperparameters["lr"], hyperparameters["eps"]

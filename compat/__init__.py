@@ -19,7 +19,13 @@ from importlib.metadata import PackageNotFoundError, version
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._dispatch import BackendDispatch
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
-from leanstate.embedding import KVEmbeddingBag, KVEmbeddingBagCollection
+from leanstate.embedding import (
+    KeyedJaggedTensor,
+    KeyedTensor,
+    KVEmbeddingBag,
+    KVEmbeddingBagCollection,
+    KVTableConfig,
+)
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError, row_wise_id_range
 from leanstate.reference.kv_tensor import KVTensor
@@ -50,7 +56,10 @@ __all__ = [
     "KVEmbeddingBag",
     "KVEmbeddingBagCollection",
     "KVStore",
+    "KVTableConfig",
     "KVTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
     "OffloadWrapper",
     "PinnedMemoryPool",
     "RowLayout",

@@ -250,7 +250,7 @@ class EmbeddingStep:
         self.upstream = torch.randn(batch, dim, generator=generator)
         self.kind = kind
         if kind == "kv":
-            self.bag = KVEmbeddingBag(dim, optimizer=optimizer, lr=0.01, backend=backend)
+            self.bag = KVEmbeddingBag(rows, dim, optimizer=optimizer, lr=0.01, backend=backend)
             fill(self.bag.store, rows)
         else:
             self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)

@@ -1,4 +1,4 @@
-"""``leanstate.KVEmbeddingBag`` and ``KVEmbeddingBagCollection``: the embedding front modules.
+"""``leanstate.KVEmbeddingBag``, ``KVEmbeddingBagCollection`` and ``KVTableConfig``.
 
 Like FBGEMM's SSD/DRAM table-batched embeddings: the rows live in a :class:`KVStore`;
 forward deduplicates the ids and pools their rows; backward sums one gradient per
@@ -8,11 +8,12 @@ optimizer state lives in the row after the weight (``[header | weight | state]``
 ``False`` it lives in a second store keyed by the same ids. The module validates and
 normalises its input, then hands each batch to the embedding engine of its backend
 (``spec/backends.md``), which reads and writes the rows of its store engine directly.
-See ``spec/embedding.md``.
+The collection takes TorchRec's shapes: ``KVTableConfig`` (EmbeddingBagConfig's
+names), KeyedJaggedTensor input and KeyedTensor output. See ``spec/embedding.md``.
 
 Example::
 
-    >>> bag = KVEmbeddingBag(16, optimizer="rowwise_adagrad", lr=0.1)
+    >>> bag = KVEmbeddingBag(1000, 16, optimizer="rowwise_adagrad", lr=0.1)
     >>> pooled = bag(torch.tensor([3, 7, 7, 9]), torch.tensor([0, 2]))   # two bags
     >>> pooled.sum().backward()                                           # rows updated
 """
@@ -20,7 +21,9 @@ Example::
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +33,8 @@ from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_fields
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import pad4
+
+_DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
 class _FusedUpdate(torch.autograd.Function):
@@ -46,26 +51,66 @@ class _FusedUpdate(torch.autograd.Function):
         return (None,) * 6
 
 
+def _check_number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
+    """``value`` as a finite float in ``[low, below)``, else a ``ValueError`` naming ``name``."""
+    bound = f"[{low}, {below})" if below is not None else f">= {low}"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if (
+        isinstance(value, bool)
+        or not math.isfinite(number)
+        or number < low
+        or (below is not None and number >= below)
+    ):
+        raise ValueError(f"KVEmbeddingBag: invalid {name}: {value!r} (must be a finite number {bound})")
+    return number
+
+
+def _check_ids(ids: object) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"KVEmbeddingBag: input must be a tensor of int64 ids; got {type(ids).__name__}")
+    if ids.dtype != torch.int64:
+        how = " (convert them with ids.to(torch.int64))" if not ids.dtype.is_floating_point else ""
+        raise TypeError(f"KVEmbeddingBag: input ids must be torch.int64; got {ids.dtype}{how}")
+    return ids
+
+
 class KVEmbeddingBag(nn.Module):
     """An embedding bag whose table is a KV store, trained by a fused optimizer.
 
     Args:
+        num_embeddings: size of the id space: ids must lie in ``[0, num_embeddings)``
+            (a ``ValueError`` names the first one outside); ``None`` for the whole
+            non-negative int64 range (hashed ids). Negative ids are padding.
         embedding_dim: D.
         mode: ``"sum"`` or ``"mean"`` pooling.
         optimizer: ``"sgd"``, ``"rowwise_adagrad"`` (FBGEMM's exact rowwise Adagrad) or
             ``"adam"``; applied to the touched rows in backward.
         lr, eps, betas, weight_decay: the optimizer's hyperparameters (weight decay is
-            L2: ``g += weight_decay * w``).
+            L2: ``g += weight_decay * w``); checked as ``torch.optim`` does.
         optimizer_offloading: keep the optimizer state in the row (True) or in a
-            separate store (False).
+            separate float32 store (False).
         return_whole_row: ``state_dict()["weight"]`` is a whole-row KVTensor (header,
             weight, state); requires ``optimizer_offloading``.
+        dtype: of the rows: float32, float16 or bfloat16. The arithmetic is float32 and
+            the output is float32 (FBGEMM's default); 16-bit rows store the float32
+            optimizer state as its bytes (two elements per value).
         num_shards, init_range, seed, clock: of the store(s).
         backend: of the store and the embedding engine; default the import-time choice.
+
+    ``stats`` counts, over all forwards: ``batches``, ``ids`` (positions), ``padding_ids``
+    (negative ids) and ``unique_ids`` (distinct non-padding ids, summed per batch).
+
+    ``copy.deepcopy`` gives an independent module with a copy of every row (the clock is
+    shared). A ``state_dict()`` holds KVTensors, which refuse to be pickled: save the
+    module with ``save_checkpoint(path, bag.checkpoint_tables(), extra=bag.extra_state())``.
     """
 
     def __init__(
         self,
+        num_embeddings: int | None,
         embedding_dim: int,
         *,
         mode: str = "sum",
@@ -76,6 +121,7 @@ class KVEmbeddingBag(nn.Module):
         weight_decay: float = 0.0,
         optimizer_offloading: bool = True,
         return_whole_row: bool = True,
+        dtype: torch.dtype = torch.float32,
         num_shards: int = 8,
         init_range: tuple[float, float] = (-0.01, 0.01),
         seed: int = 0,
@@ -83,34 +129,66 @@ class KVEmbeddingBag(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
+        if num_embeddings is not None and (
+            isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1
+        ):
+            raise ValueError(
+                f"KVEmbeddingBag: num_embeddings must be a positive int, or None for hashed ids; "
+                f"got {num_embeddings!r}"
+            )
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"KVEmbeddingBag: embedding_dim must be a positive int; got {embedding_dim!r}")
         if mode not in ("sum", "mean"):
             raise ValueError(f"KVEmbeddingBag: mode must be 'sum' or 'mean'; got {mode!r}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"KVEmbeddingBag: optimizer must be one of {OPTIMIZERS}; got {optimizer!r}")
+        try:
+            beta1, beta2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"KVEmbeddingBag: betas must be two numbers; got {betas!r}") from None
+        lr, eps, weight_decay = (
+            _check_number("lr", lr),
+            _check_number("eps", eps),
+            _check_number("weight_decay", weight_decay),
+        )
+        betas = (_check_number("betas[0]", beta1, below=1.0), _check_number("betas[1]", beta2, below=1.0))
         if return_whole_row and not optimizer_offloading:
             raise ValueError(
                 "return_whole_row=True needs optimizer_offloading=True (the whole row holds the "
                 "optimizer state only when it is offloaded into the row); pass return_whole_row=False"
             )
+        if dtype not in _DATA_TYPES.values():
+            raise TypeError(f"KVEmbeddingBag: dtype must be float32, float16 or bfloat16; got {dtype!r}")
         name, module = _backends.resolve("embedding", backend)
+        self._config = dict(
+            num_embeddings=num_embeddings, embedding_dim=embedding_dim, mode=mode, optimizer=optimizer,
+            lr=lr, eps=eps, betas=betas, weight_decay=weight_decay,
+            optimizer_offloading=optimizer_offloading, return_whole_row=return_whole_row, dtype=dtype,
+            num_shards=num_shards, init_range=init_range, seed=seed, clock=clock, backend=name,
+        )  # fmt: skip
         self.backend = name
-        self.embedding_dim, self.mode, self.optimizer = embedding_dim, mode, optimizer
-        self.lr, self.eps, self.betas, self.weight_decay = lr, eps, tuple(betas), weight_decay
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.mode, self.optimizer = mode, optimizer
+        self.lr, self.eps, self.betas, self.weight_decay = lr, eps, betas, weight_decay
         self.optimizer_offloading, self.return_whole_row = optimizer_offloading, return_whole_row
-        self.fields = state_fields(optimizer, embedding_dim)
-        state_dim = sum(width for _, width in self.fields.values())
+        self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
+        state_floats = sum(width for _, width in self.fields.values())
         self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
+        self.stats = {"batches": 0, "ids": 0, "padding_ids": 0, "unique_ids": 0}
         common = dict(num_shards=num_shards, seed=seed, clock=clock, backend=name)
         if optimizer_offloading:
+            state_elems = state_floats * 4 // dtype.itemsize
             self.store = KVStore(
-                embedding_dim, optimizer_state_dim=state_dim, init_range=init_range, **common
+                embedding_dim, optimizer_state_dim=state_elems, dtype=dtype, init_range=init_range, **common
             )
             self.state_store = None
             state_start = self.store.layout.state_offset
         else:
-            self.store = KVStore(embedding_dim, init_range=init_range, **common)
-            self.state_store = KVStore(state_dim, init_range=(0.0, 0.0), **common) if state_dim else None
-            state_start = self.store.layout.header_elems
+            self.store = KVStore(embedding_dim, dtype=dtype, init_range=init_range, **common)
+            self.state_store = (
+                KVStore(state_floats, init_range=(0.0, 0.0), **common) if state_floats else None
+            )
+            state_start = self.state_store.layout.header_elems if self.state_store is not None else 0
         self._engine = importlib.import_module(module).EmbeddingEngine(
             self.store._engine,
             None if self.state_store is None else self.state_store._engine,
@@ -120,36 +198,107 @@ class KVEmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer!r}, lr={self.lr}, "
-            f"optimizer_offloading={self.optimizer_offloading}, rows={len(self.store)}, backend={self.backend!r}"
+            f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer!r}, "
+            f"lr={self.lr}, dtype={self.dtype}, optimizer_offloading={self.optimizer_offloading}, "
+            f"rows={len(self.store)}, backend={self.backend!r}"
         )
+
+    def __deepcopy__(self, memo: dict) -> KVEmbeddingBag:
+        clone = type(self)(**self._config)
+        memo[id(self)] = clone
+        clone.train(self.training)
+        clone.optimizer_step, clone.stats = self.optimizer_step, dict(self.stats)
+        clone.store._copy_rows_from(self.store)
+        if self.state_store is not None:
+            clone.state_store._copy_rows_from(self.state_store)
+        return clone
 
     # -- forward ----------------------------------------------------------------------
 
     def forward(
-        self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Pool ``ids`` into bags starting at ``offsets`` (as ``nn.EmbeddingBag``); [B, D].
+        """Pool ``input`` ids into bags, as ``nn.EmbeddingBag``: float32 ``[B, D]``.
 
-        Negative ids are padding: they add nothing and do not count in a mean.
+        1-D ``input`` with ``offsets`` (the start of each bag, first 0, non-decreasing), or
+        2-D ``input`` ``[B, L]`` without (each row one bag). ``per_sample_weights`` (sum
+        mode only) has ``input``'s shape. Negative ids are padding: they add nothing, do
+        not count in a mean, and are counted in ``stats["padding_ids"]``.
         """
-        if ids.dtype != torch.int64 or ids.dim() != 1 or offsets.dim() != 1:
-            raise TypeError("ids must be a 1-D int64 tensor and offsets a 1-D tensor")
-        ids, offsets = ids.cpu(), offsets.cpu().to(torch.int64)
+        ids, offsets, per_sample_weights = self._normalise(input, offsets, per_sample_weights)
         ends = torch.cat([offsets, torch.tensor([len(ids)])])
         keep = ids >= 0
-        if not keep.all():
+        padding = len(ids) - int(keep.sum())
+        if padding:
             bag = torch.repeat_interleave(torch.arange(len(offsets)), torch.diff(ends), output_size=len(ids))
             kept = torch.bincount(bag[keep], minlength=len(offsets))
             ends = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
             ids = ids[keep]
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights[keep]
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.detach().cpu().to(torch.float32).contiguous()
         unique, inverse = torch.unique(ids, return_inverse=True)
+        self.stats["batches"] += 1
+        self.stats["ids"] += len(ids) + padding
+        self.stats["padding_ids"] += padding
+        self.stats["unique_ids"] += len(unique)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
         return _FusedUpdate.apply(anchor, self, unique, inverse, ends, per_sample_weights)
+
+    def _normalise(self, input, offsets, per_sample_weights):
+        """(1-D CPU ids, int64 offsets [B], float32 weights or None), every argument checked."""
+        ids = _check_ids(input)
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise ValueError("KVEmbeddingBag: offsets must be None for 2-D input (each row is one bag)")
+            offsets = torch.arange(0, ids.numel(), max(1, ids.shape[1]), dtype=torch.int64)[: ids.shape[0]]
+            if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
+                raise ValueError(
+                    f"KVEmbeddingBag: per_sample_weights has shape {tuple(per_sample_weights.shape)}; "
+                    f"input has {tuple(ids.shape)}"
+                )
+            ids = ids.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise ValueError(
+                    "KVEmbeddingBag: offsets is required for 1-D input: the start of each bag, e.g. "
+                    "torch.tensor([0, 2]) for bags input[0:2] and input[2:]; or pass 2-D input [B, L]"
+                )
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype.is_floating_point:
+                raise TypeError("KVEmbeddingBag: offsets must be a 1-D integer tensor")
+        else:
+            raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
+        ids, offsets = ids.cpu().contiguous(), offsets.cpu().to(torch.int64)
+        if len(offsets) and (
+            int(offsets[0]) != 0 or bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > len(ids)
+        ):
+            raise ValueError(
+                f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
+                f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
+            )
+        if not len(offsets) and len(ids):
+            raise ValueError(f"KVEmbeddingBag: offsets is empty but input holds {len(ids)} ids")
+        if self.num_embeddings is not None and len(ids):
+            outside = ids >= self.num_embeddings
+            if bool(outside.any()):
+                bad = int(ids[outside][0])
+                raise ValueError(
+                    f"KVEmbeddingBag: id {bad} is outside [0, num_embeddings={self.num_embeddings}); "
+                    "pass num_embeddings=None for hashed ids (negative ids are padding)"
+                )
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise ValueError("KVEmbeddingBag: per_sample_weights is only supported with mode='sum'")
+            if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != ids.shape:
+                raise ValueError(
+                    f"KVEmbeddingBag: per_sample_weights must be a tensor of input's shape {tuple(ids.shape)}"
+                )
+            per_sample_weights = per_sample_weights.detach().cpu().to(torch.float32).contiguous()
+        return ids, offsets, per_sample_weights
 
     # -- the fused optimizer ------------------------------------------------------------
 
@@ -177,7 +326,8 @@ class KVEmbeddingBag(nn.Module):
         """KVTensors: ``weight`` (whole rows when ``return_whole_row``) and the optimizer's fields.
 
         With offloading, the optimizer fields are read-only views into the rows (a whole-row
-        load already brought them); without, they are views of the state store.
+        load already brought them; with 16-bit rows they show the raw elements holding the
+        float32 bytes); without, they are views of the state store.
         """
         out = destination if destination is not None else {}
         if self.return_whole_row:
@@ -194,19 +344,25 @@ class KVEmbeddingBag(nn.Module):
                 name: KVTensor(self.state_store, width_offset=start, width=width)
                 for name, (start, width) in self.fields.items()
             }
-        offset = pad4(self.embedding_dim)
+        offset, per_float = pad4(self.embedding_dim), 4 // self.dtype.itemsize
         return {
-            name: KVTensor(self.store, width_offset=offset + start, width=width, read_only=True)
+            name: KVTensor(
+                self.store, width_offset=offset + start * per_float, width=width * per_float, read_only=True
+            )
             for name, (start, width) in self.fields.items()
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         """Copy KVTensors or tensors in, chunk by chunk (whole rows by header key)."""
-        mine = self.state_dict()
-        missing = [k for k in mine if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in mine]
-        if strict and (missing or unexpected):
-            raise KeyError(f"KVEmbeddingBag.load_state_dict: missing {missing}, unexpected {unexpected}")
+        mine = self.state_dict(prefix=prefix)
+        missing_keys.extend(key for key in mine if key not in state_dict)
+        unexpected_keys.extend(
+            key
+            for key in state_dict
+            if key.startswith(prefix) and "." not in key[len(prefix) :] and key not in mine
+        )
         for key, target in mine.items():
             if key not in state_dict:
                 continue
@@ -214,15 +370,12 @@ class KVEmbeddingBag(nn.Module):
             if target.whole_rows:  # keyed by each row's header: the ids are placeholders
                 placeholder = torch.full((len(source),), -1, dtype=torch.int64)
                 KVTensor(target.store, ids=placeholder, whole_rows=True).copy_(source)
-                continue
-            if not target.read_only:
+            elif not target.read_only:
                 ids = source.ids if isinstance(source, KVTensor) else target.ids
-                KVTensor(target.store, ids=ids, width_offset=target.width_offset, width=target.width).copy_(
-                    source
-                )
+                view = KVTensor(target.store, ids=ids, width_offset=target.width_offset, width=target.width)
+                view.copy_(source)
             else:
                 target.ignored_writes += len(source)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """What ``save_checkpoint`` / ``load_checkpoint`` take for this module."""
@@ -242,50 +395,326 @@ class KVEmbeddingBag(nn.Module):
         self.optimizer_step = int(extra["optimizer_step"])
 
 
-class KVEmbeddingBagCollection(nn.Module):
-    """Named KV embedding bags with TorchRec-shaped input and output.
+def _data_type(value: object) -> torch.dtype:
+    """A torch dtype, or TorchRec's ``DataType.FP32/FP16/BF16`` (or its name), as a dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.upper() in _DATA_TYPES:
+        return _DATA_TYPES[name.upper()]
+    raise TypeError(f"KVTableConfig: data_type must be a torch dtype or FP32/FP16/BF16; got {value!r}")
 
-    ``forward(features)`` takes a KeyedJaggedTensor-like object (``keys()``, ``values()``,
-    ``lengths()``; lengths key-major, ``len(keys) * B``) and returns a dict of pooled
-    ``[B, D]`` tensors by key (what ``KeyedTensor.to_dict()`` gives).
+
+def _pooling(value: object) -> str:
+    """``"sum"``/``"mean"``, or TorchRec's ``PoolingType.SUM/MEAN``, as a mode name."""
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.lower() in ("sum", "mean"):
+        return name.lower()
+    raise ValueError(f"KVTableConfig: pooling must be 'sum' or 'mean'; got {value!r}")
+
+
+@dataclass
+class KVTableConfig:
+    """One table of a :class:`KVEmbeddingBagCollection`, with TorchRec EmbeddingBagConfig's names.
+
+    ``feature_names`` (default ``[name]``) may list several features: they share the
+    table's rows, and each is pooled on its own. ``data_type`` and ``pooling`` take torch
+    dtypes and strings, or TorchRec's ``DataType``/``PoolingType`` members.
 
     Example::
 
-        >>> ebc = KVEmbeddingBagCollection({"user": KVEmbeddingBag(8), "item": KVEmbeddingBag(8)})
-        >>> out = ebc(KeyedJagged(["user", "item"], torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1, 0])))
+        >>> KVTableConfig("items", 64, feature_names=["clicked", "bought"], optimizer="rowwise_adagrad")
     """
 
-    def __init__(self, tables: Mapping[str, KVEmbeddingBag]) -> None:
-        super().__init__()
-        self.tables = nn.ModuleDict(tables)
+    name: str
+    embedding_dim: int
+    num_embeddings: int | None = None
+    feature_names: list[str] = field(default_factory=list)
+    pooling: str = "sum"
+    data_type: torch.dtype = torch.float32
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    optimizer_offloading: bool = True
+    return_whole_row: bool = True
+    num_shards: int = 8
+    weight_init_min: float = -0.01
+    weight_init_max: float = 0.01
+    seed: int = 0
 
-    def forward(self, features) -> dict[str, torch.Tensor]:
-        keys, values, lengths = list(features.keys()), features.values(), features.lengths()
-        unknown = [k for k in keys if k not in self.tables]
-        if unknown:
-            raise KeyError(f"no table for feature keys {unknown}; tables: {list(self.tables)}")
-        batch = len(lengths) // len(keys)
-        out, start = {}, 0
-        for k, key in enumerate(keys):
-            bag_lengths = lengths[k * batch : (k + 1) * batch]
-            count = int(bag_lengths.sum())
-            offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
-            out[key] = self.tables[key](values[start : start + count], offsets)
-            start += count
-        return out
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"KVTableConfig: name must be a non-empty string; got {self.name!r}")
+        self.feature_names = list(self.feature_names) or [self.name]
+        self.pooling = _pooling(self.pooling)
+        self.data_type = _data_type(self.data_type)
+
+    def _build(self, *, clock, backend: str | None) -> KVEmbeddingBag:
+        return KVEmbeddingBag(
+            self.num_embeddings,
+            self.embedding_dim,
+            mode=self.pooling,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            eps=self.eps,
+            betas=self.betas,
+            weight_decay=self.weight_decay,
+            optimizer_offloading=self.optimizer_offloading,
+            return_whole_row=self.return_whole_row,
+            dtype=self.data_type,
+            num_shards=self.num_shards,
+            init_range=(self.weight_init_min, self.weight_init_max),
+            seed=self.seed,
+            clock=clock,
+            backend=backend,
+        )
 
 
-class KeyedJagged:
-    """A minimal KeyedJaggedTensor stand-in: keys, values and key-major lengths."""
+class KeyedJaggedTensor:
+    """TorchRec's KeyedJaggedTensor, as much of it as the collection reads.
 
-    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> None:
-        self._keys, self._values, self._lengths = list(keys), values, lengths
+    ``values`` holds every feature's ids, key-major; ``lengths`` (or ``offsets``,
+    ``len(keys) * B + 1`` of them) says how many belong to each (key, sample); ``weights``
+    are optional per-id weights. A real ``torchrec.KeyedJaggedTensor`` works as well.
+
+    Example::
+
+        >>> KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 1, 0]))
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> None:
+        if (lengths is None) == (offsets is None):
+            raise ValueError("KeyedJaggedTensor: pass exactly one of lengths and offsets")
+        self._keys, self._values, self._weights = list(keys), values, weights
+        self._lengths = lengths if lengths is not None else torch.diff(offsets)
+
+    @classmethod
+    def from_lengths_sync(cls, keys, values, lengths, weights=None) -> KeyedJaggedTensor:
+        """TorchRec's constructor by lengths."""
+        return cls(keys, values, weights=weights, lengths=lengths)
 
     def keys(self) -> list[str]:
+        """The feature names."""
         return self._keys
 
     def values(self) -> torch.Tensor:
+        """Every id, key-major."""
         return self._values
 
     def lengths(self) -> torch.Tensor:
+        """Ids per (key, sample), key-major."""
         return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        """Where each (key, sample) starts in ``values``, plus the end."""
+        return torch.cat([torch.zeros(1, dtype=self._lengths.dtype), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        """The per-id weights, or None."""
+        return self._weights
+
+    def __repr__(self) -> str:
+        return f"KeyedJaggedTensor(keys={self._keys}, values={len(self._values)}, weighted={self._weights is not None})"
+
+
+class KeyedTensor:
+    """TorchRec's KeyedTensor: per-key pooled embeddings side by side in one ``[B, sum D]`` tensor."""
+
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: torch.Tensor) -> None:
+        self._keys, self._lengths, self._values = list(keys), list(length_per_key), values
+        starts = [0]
+        for length in self._lengths:
+            starts.append(starts[-1] + length)
+        self._offsets = starts
+
+    def keys(self) -> list[str]:
+        """The feature names, in column order."""
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        """``[B, sum D]``."""
+        return self._values
+
+    def length_per_key(self) -> list[int]:
+        """D of each key."""
+        return self._lengths
+
+    def offset_per_key(self) -> list[int]:
+        """First column of each key, plus the total."""
+        return self._offsets
+
+    def key_dim(self) -> int:
+        """The dimension the keys run along (1)."""
+        return 1
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        index = self._keys.index(key)
+        return self._values[:, self._offsets[index] : self._offsets[index + 1]]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """Key -> ``[B, D]``."""
+        return {key: self[key] for key in self._keys}
+
+    def __repr__(self) -> str:
+        return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
+
+
+def _jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked."""
+    keys, values = list(features.keys()), features.values()
+    if hasattr(features, "lengths"):
+        lengths = features.lengths()
+    else:
+        lengths = torch.diff(features.offsets())
+    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+    lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
+    if not keys:
+        raise ValueError("KVEmbeddingBagCollection: the features have no keys")
+    if lengths.dim() != 1 or len(lengths) % len(keys):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
+            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
+        )
+    if bool((lengths < 0).any()) or int(lengths.sum()) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths must be >= 0 and sum to len(values)={len(values)}; "
+            f"they sum to {int(lengths.sum())}"
+        )
+    if weights is not None and len(weights) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: weights_or_none() has {len(weights)} entries; values has {len(values)}"
+        )
+    return keys, values, lengths, weights
+
+
+class _Tables(nn.Module):
+    """The collection's bags by table name: ``tables[name]``.
+
+    Not an ``nn.ModuleDict``, whose own methods would forbid tables named ``items``,
+    ``keys``, ``values`` or ``update``.
+    """
+
+    def __init__(self, bags: Mapping[str, KVEmbeddingBag]) -> None:
+        super().__init__()
+        for name, bag in bags.items():
+            self.add_module(name, bag)
+
+    def __getitem__(self, name: str) -> KVEmbeddingBag:
+        return self._modules[name]
+
+
+class KVEmbeddingBagCollection(nn.Module):
+    """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
+
+    Args:
+        tables: a list of :class:`KVTableConfig` (several features may share a table),
+            or a mapping name -> :class:`KVEmbeddingBag` (one feature per table, its name).
+        clock, backend: for the bags built from configs.
+
+    ``forward(features)`` takes a KeyedJaggedTensor (or anything with ``keys()``,
+    ``values()``, ``lengths()`` or ``offsets()``, and optionally ``weights_or_none()``,
+    whose weights are then per-sample weights) holding every feature of the tables, and
+    returns a :class:`KeyedTensor` with one ``[B, D]`` block per feature, tables in order,
+    each table's features in order. Each table deduplicates the ids of all its features
+    together, so its fused update sees one gradient per distinct id.
+
+    Example::
+
+        >>> ebc = KVEmbeddingBagCollection([KVTableConfig("t", 8, feature_names=["user", "item"])])
+        >>> kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 1, 0]))
+        >>> ebc(kjt)["item"].shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[KVTableConfig] | Mapping[str, KVEmbeddingBag],
+        *,
+        clock=None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(tables, Mapping):
+            bags = dict(tables)
+            features = {name: [name] for name in bags}
+        else:
+            configs = list(tables)
+            if not all(isinstance(c, KVTableConfig) for c in configs):
+                raise TypeError("KVEmbeddingBagCollection: tables must be KVTableConfig objects or a mapping")
+            names = [c.name for c in configs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"KVEmbeddingBagCollection: table names must be unique; got {names}")
+            bags = {c.name: c._build(clock=clock, backend=backend) for c in configs}
+            features = {c.name: c.feature_names for c in configs}
+        if not bags:
+            raise ValueError("KVEmbeddingBagCollection: no tables")
+        everything = [f for names in features.values() for f in names]
+        if len(set(everything)) != len(everything):
+            raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
+        self.embedding_bags = _Tables(bags)
+        self._table_features = features
+
+    def feature_names(self) -> list[str]:
+        """Every feature, in output order."""
+        return [f for names in self._table_features.values() for f in names]
+
+    def forward(self, features) -> KeyedTensor:
+        """Pool each feature of ``features`` in its table; a :class:`KeyedTensor`."""
+        keys, values, lengths, weights = _jagged_parts(features)
+        wanted = self.feature_names()
+        unknown = [k for k in keys if k not in wanted]
+        missing = [k for k in wanted if k not in keys]
+        if unknown or missing:
+            raise KeyError(
+                f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
+            )
+        batch = len(lengths) // len(keys)
+        ends = torch.cumsum(lengths, 0)
+        starts = ends - lengths
+        position = {key: k for k, key in enumerate(keys)}
+        pooled, dims = [], []
+        for table, names in self._table_features.items():
+            bag = self.embedding_bags[table]
+            parts, part_weights, part_lengths = [], [], []
+            for name in names:
+                k = position[name]
+                first, last = (
+                    int(starts[k * batch]) if batch else 0,
+                    int(ends[(k + 1) * batch - 1]) if batch else 0,
+                )
+                parts.append(values[first:last])
+                part_lengths.append(lengths[k * batch : (k + 1) * batch])
+                if weights is not None:
+                    part_weights.append(weights[first:last])
+            table_lengths = torch.cat(part_lengths)
+            offsets = torch.cumsum(table_lengths, 0) - table_lengths
+            out = bag(torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
+            pooled.extend(out.split(batch))
+            dims.extend([bag.embedding_dim] * len(names))
+        return KeyedTensor(wanted, dims, torch.cat(pooled, dim=1))
+
+    def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
+        """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""
+        return {
+            f"{table}.{name}": value
+            for table, bag in self.embedding_bags.named_children()
+            for name, value in bag.checkpoint_tables().items()
+        }
+
+    def extra_state(self) -> dict[str, dict[str, int]]:
+        """Table name -> that bag's ``extra_state()``."""
+        return {table: bag.extra_state() for table, bag in self.embedding_bags.named_children()}
+
+    def load_extra_state(self, extra: Mapping[str, Mapping[str, int]]) -> None:
+        """Restore what :meth:`extra_state` returned."""
+        for table, bag in self.embedding_bags.named_children():
+            bag.load_extra_state(extra[table])

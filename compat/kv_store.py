@@ -140,6 +140,28 @@ class KVStore:
             "save it with leanstate.save_checkpoint(path, {'name': store})"
         )
 
+    def __deepcopy__(self, memo: dict) -> KVStore:
+        """An independent store with a copy of every row, headers included (the clock is shared)."""
+        clone = KVStore(
+            self.dim,
+            optimizer_state_dim=self.optimizer_state_dim,
+            dtype=self.dtype,
+            num_shards=self.num_shards,
+            init_range=self.init_range,
+            seed=self.seed,
+            clock=self.clock,
+            backend=self.backend,
+        )
+        memo[id(self)] = clone
+        clone._copy_rows_from(self)
+        return clone
+
+    def _copy_rows_from(self, other: KVStore, chunk_rows: int = 65536) -> None:
+        """Write every row of ``other`` here, whole rows by header key, a chunk at a time."""
+        keys = other.keys()
+        for start in range(0, len(keys), chunk_rows):
+            self.set_rows(other.get_rows(keys[start : start + chunk_rows]))
+
     def memory_bytes(self) -> int:
         """Bytes the store holds: row pools plus the id maps and free lists."""
         return self._engine.memory_bytes()

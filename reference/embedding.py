@@ -129,9 +129,10 @@ class EmbeddingEngine:
     ) -> None:
         self.weights, self.state, self.state_start = weights, state, state_start
         self.rule = RULES[optimizer]
-        self.state_width = (
-            2 * weights.layout.dim if optimizer == "adam" else int(optimizer == "rowwise_adagrad")
-        )
+        self.state_floats = sum(width for _, width in state_fields(optimizer, weights.layout.dim).values())
+        # The state is float32 values; in 16-bit rows each takes two elements (its bytes).
+        holder = weights if state is None else state
+        self.state_width = self.state_floats * 4 // holder.layout.itemsize
 
     def pool(
         self,
@@ -147,7 +148,7 @@ class EmbeddingEngine:
         """
         layout = self.weights.layout
         rows = self.weights.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
-        contributions = rows[inverse]
+        contributions = rows.float()[inverse]
         if per_sample_weights is not None:
             contributions = contributions * per_sample_weights[:, None]
         pooled = torch.zeros(len(offsets) - 1, layout.dim)
@@ -184,12 +185,23 @@ class EmbeddingEngine:
             end = self.state_start + self.state_width if self.state_width else start + dim
             values = self.weights.gather(unique, start=start, width=end - start, initial=True)
             first = self.state_start - start
-            weights, state = values[:, :dim], values[:, first : first + self.state_width]
+            # float32 rows are updated in place; 16-bit ones in float32 copies, rounded once back
+            weights, state = values[:, :dim].float(), _state_floats(values[:, first:], self.state_width)
             self.rule(weights, state, grad, step=step, **hyperparameters)
+            values[:, :dim] = weights
+            if self.state_width:
+                values[:, first : first + self.state_width] = state.view(values.dtype)
             self.weights.scatter(unique, values, start=start, now=now)
             return
-        weights = self.weights.gather(unique, start=start, width=dim, initial=True)
+        stored = self.weights.gather(unique, start=start, width=dim, initial=True)
+        weights = stored.float()
         state = self.state.gather(unique, start=self.state_start, width=self.state_width, initial=True)
         self.rule(weights, state, grad, step=step, **hyperparameters)
-        self.weights.scatter(unique, weights, start=start, now=now)
+        self.weights.scatter(unique, weights.to(stored.dtype), start=start, now=now)
         self.state.scatter(unique, state, start=self.state_start, now=now)
+
+
+def _state_floats(columns: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` elements of ``columns`` read as float32 values (their bytes)."""
+    state = columns[:, :width].contiguous()
+    return state.view(torch.float32) if width else torch.zeros(len(columns), 0)

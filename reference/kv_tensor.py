@@ -71,6 +71,14 @@ class KVTensor:
         self.read_only = read_only
         self.ignored_writes = 0
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "KVTensor cannot be pickled (torch.save of a state_dict holding one): it is a view of a KV "
+            "store, which may not fit in memory twice. Save the tables with "
+            "leanstate.save_checkpoint(path, module.checkpoint_tables(), extra=module.extra_state()), "
+            "or copy a small view out first with view[:]"
+        )
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size([len(self.ids), self.width])

@@ -1,6 +1,6 @@
 """Every accelerated embedding engine held to the reference engine, bit for bit.
 
-Hypothesis draws optimizers, pooling, weights, offloading, weight decay and a few
+Hypothesis draws optimizers, pooling, weights, offloading, weight decay, row dtypes and a few
 training steps on ragged batches (duplicates, padding ids, empty bags); every pooled
 output and, after each backward, every row of every store (headers included) must
 have the same bytes as the reference's.
@@ -40,15 +40,17 @@ batches = st.lists(
     weighted=st.booleans(),
     offloading=st.booleans(),
     weight_decay=st.sampled_from([0.0, 0.01]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     steps=st.lists(batches, min_size=1, max_size=3),
     seed=st.integers(0, 2**32),
 )
 def test_engine_trains_bit_for_bit_like_the_reference(
-    backend, optimizer, mode, weighted, offloading, weight_decay, steps, seed
+    backend, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed
 ):
     weighted = weighted and mode == "sum"
     bags = [
         KVEmbeddingBag(
+            None,
             D,
             mode=mode,
             optimizer=optimizer,
@@ -56,6 +58,7 @@ def test_engine_trains_bit_for_bit_like_the_reference(
             weight_decay=weight_decay,
             optimizer_offloading=offloading,
             return_whole_row=offloading,
+            dtype=dtype,
             seed=seed,
             clock=FakeClock(),
             backend=name,

@@ -1,0 +1,306 @@
+"""The embedding API as torch and TorchRec users call it: names, input checks, shapes, dtypes, copies."""
+
+import copy
+import enum
+
+import pytest
+import torch
+from torch import nn
+
+import leanstate
+from leanstate import (
+    KeyedJaggedTensor,
+    KeyedTensor,
+    KVEmbeddingBag,
+    KVEmbeddingBagCollection,
+    KVTableConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.conftest import FakeClock
+
+D, VOCAB = 4, 30
+BACKENDS = sorted(leanstate._backends._IMPLEMENTATIONS["embedding"])
+
+
+def test_constructor_takes_torchs_names_and_positions():
+    bag = KVEmbeddingBag(VOCAB, D)
+    assert (bag.num_embeddings, bag.embedding_dim) == (VOCAB, D)
+    keyword = KVEmbeddingBag(num_embeddings=None, embedding_dim=D)
+    assert keyword.num_embeddings is None
+    assert repr(bag).startswith(f"KVEmbeddingBag({VOCAB}, {D}, mode='sum'")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="num_embeddings must be a positive int"):
+            KVEmbeddingBag(bad, D)
+    with pytest.raises(ValueError, match="embedding_dim"):
+        KVEmbeddingBag(VOCAB, 0)
+
+
+def test_ids_outside_num_embeddings_are_an_error_naming_the_id_and_change_nothing():
+    bag = KVEmbeddingBag(VOCAB, D)
+    with pytest.raises(ValueError, match=f"id {VOCAB + 5} is outside \\[0, num_embeddings={VOCAB}\\)"):
+        bag(torch.tensor([1, VOCAB + 5, 2]), torch.tensor([0]))
+    assert bag.stats["batches"] == 0
+    hashed = KVEmbeddingBag(None, D)
+    out = hashed(torch.tensor([2**62, 7]), torch.tensor([0, 1]))
+    out.sum().backward()
+    assert hashed.store.keys().tolist() == [7, 2**62]
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [("lr", -1.0), ("lr", float("nan")), ("eps", -1e-8), ("weight_decay", -0.1), ("betas", (1.0, 0.9))],
+)
+def test_hyperparameters_are_checked_as_torch_optim_does(argument, value):
+    with pytest.raises(
+        ValueError, match=f"invalid {argument.split('s')[0] if argument == 'betas' else argument}"
+    ):
+        KVEmbeddingBag(VOCAB, D, optimizer="adam", **{argument: value})
+
+
+def test_int32_ids_get_an_error_saying_how_to_convert_them():
+    bag = KVEmbeddingBag(VOCAB, D)
+    with pytest.raises(
+        TypeError, match=r"torch.int64; got torch.int32 \(convert them with ids.to\(torch.int64\)\)"
+    ):
+        bag(torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0]))
+
+
+def test_offsets_none_needs_2d_input_like_nn_embedding_bag():
+    bag = KVEmbeddingBag(VOCAB, D, mode="mean", seed=3)
+    with pytest.raises(ValueError, match="offsets is required for 1-D input"):
+        bag(torch.tensor([1, 2, 3]))
+    table = nn.EmbeddingBag(VOCAB, D, mode="mean")
+    with torch.no_grad():
+        table.weight.copy_(bag.store.get(torch.arange(VOCAB), width=D))
+    ids = torch.tensor([[1, 2, 3], [4, 4, 9]])
+    assert torch.equal(bag(ids), table(ids))
+    with pytest.raises(ValueError, match="offsets must be None for 2-D input"):
+        bag(ids, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("offsets", [[1, 2], [0, 3, 2], [0, 9]])
+def test_bad_offsets_are_an_error_naming_them(offsets):
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        KVEmbeddingBag(VOCAB, D)(torch.tensor([1, 2, 3]), torch.tensor(offsets))
+
+
+def test_padding_ids_are_counted_in_the_stats():
+    bag = KVEmbeddingBag(VOCAB, D)
+    bag(torch.tensor([1, -1, 2, 2, -5]), torch.tensor([0, 2]))
+    bag(torch.tensor([3]), torch.tensor([0]))
+    assert bag.stats == {"batches": 2, "ids": 6, "padding_ids": 2, "unique_ids": 3}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offloading", [True, False])
+def test_deepcopy_is_an_independent_copy(backend, offloading):
+    bag = KVEmbeddingBag(
+        VOCAB, D, optimizer="adam", lr=0.1, optimizer_offloading=offloading, return_whole_row=offloading,
+        clock=FakeClock(), backend=backend,
+    )  # fmt: skip
+    bag(torch.tensor([1, 2, 3]), torch.tensor([0, 1])).sum().backward()
+    clone = copy.deepcopy(bag)
+    keys = bag.store.keys()
+    assert torch.equal(clone.store.get_rows(keys), bag.store.get_rows(keys))
+    assert clone.optimizer_step == bag.optimizer_step == 1 and clone.backend == backend
+    before = bag.store.get_rows(keys)
+    clone(torch.tensor([1, 2, 5]), torch.tensor([0])).sum().backward()
+    assert torch.equal(bag.store.get_rows(keys), before) and len(bag.store) == 3
+    assert len(clone.store) == 4 and bag.optimizer_step == 1
+    if not offloading:
+        assert not torch.equal(clone.state_store.get_rows(keys), bag.state_store.get_rows(keys))
+
+
+def test_pickling_a_kv_state_dict_points_to_save_checkpoint(tmp_path):
+    bag = KVEmbeddingBag(VOCAB, D, optimizer="rowwise_adagrad")
+    bag(torch.tensor([1]), torch.tensor([0])).sum().backward()
+    with pytest.raises(TypeError, match="save_checkpoint"):
+        torch.save(bag.state_dict(), tmp_path / "bag.pt")
+    with pytest.raises(TypeError, match="save_checkpoint"):
+        torch.save(bag.store, tmp_path / "store.pt")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_rows_pool_and_train_in_float32_rounded_once(dtype):
+    bag = KVEmbeddingBag(VOCAB, D, dtype=dtype, optimizer="sgd", lr=0.5, seed=2)
+    assert bag.store.dtype == dtype
+    rows = bag.store.get(torch.arange(VOCAB), width=D)
+    assert rows.dtype == dtype
+    table = nn.EmbeddingBag(VOCAB, D, mode="sum")
+    with torch.no_grad():
+        table.weight.copy_(rows.float())
+    ids, offsets = torch.tensor([3, 5, 3, 8]), torch.tensor([0, 2])
+    out = bag(ids, offsets)
+    assert out.dtype == torch.float32 and torch.equal(out, table(ids, offsets))
+    upstream = torch.arange(2 * D, dtype=torch.float32).reshape(2, D) / 8
+    (out * upstream).sum().backward()
+    (table(ids, offsets) * upstream).sum().backward()
+    expected = (table.weight.detach() - 0.5 * table.weight.grad).to(dtype)
+    assert torch.equal(bag.store.get(torch.tensor([3, 5, 8]), width=D), expected[[3, 5, 8]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_adagrad_keeps_its_float32_state_as_bytes_in_the_row(dtype, tmp_path):
+    bag = KVEmbeddingBag(VOCAB, D, dtype=dtype, optimizer="rowwise_adagrad", lr=0.1, clock=FakeClock())
+    grad = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    bag(torch.tensor([6]), torch.tensor([0])).backward(grad)
+    layout = bag.store.layout
+    assert layout.state_dim == 2  # one float32 value, two 16-bit elements
+    state = bag.store.get_rows(torch.tensor([6]))[:, layout.state_offset : layout.state_offset + 2]
+    assert state.contiguous().view(torch.float32).item() == (1 + 4 + 9 + 16) / 4
+    save_checkpoint(tmp_path / "ckpt", bag.checkpoint_tables(), extra=bag.extra_state())
+    fresh = KVEmbeddingBag(VOCAB, D, dtype=dtype, optimizer="rowwise_adagrad", lr=0.1)
+    fresh.load_extra_state(load_checkpoint(tmp_path / "ckpt", fresh.checkpoint_tables()))
+    assert torch.equal(fresh.store.get_rows(torch.tensor([6])), bag.store.get_rows(torch.tensor([6])))
+
+
+class PoolingType(enum.Enum):  # TorchRec's enums are read by member name
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+
+class DataType(enum.Enum):
+    FP32 = "FP32"
+    FP16 = "FP16"
+
+
+def two_tables(**kwargs):
+    return KVEmbeddingBagCollection(
+        [
+            KVTableConfig(
+                "items", D, num_embeddings=VOCAB, feature_names=["clicked", "bought"], lr=0.5, seed=1
+            ),
+            KVTableConfig("users", 2, pooling=PoolingType.MEAN, data_type=DataType.FP16, seed=2),
+        ],
+        clock=FakeClock(),
+        **kwargs,
+    )
+
+
+# three features, batch of 2; key-major: clicked [1, 2] [3], bought [] [3, 4], users [7] [8, 9]
+KEYS = ["clicked", "bought", "users"]
+VALUES = torch.tensor([1, 2, 3, 3, 4, 7, 8, 9])
+LENGTHS = torch.tensor([2, 1, 0, 2, 1, 2])
+
+
+def test_collection_of_configs_shares_tables_and_returns_a_keyed_tensor():
+    ebc = two_tables()
+    items, users = ebc.embedding_bags["items"], ebc.embedding_bags["users"]
+    assert users.mode == "mean" and users.dtype == torch.float16 and items.num_embeddings == VOCAB
+    out = ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS))
+    assert isinstance(out, KeyedTensor)
+    assert out.keys() == KEYS and out.length_per_key() == [D, D, 2] and out.values().shape == (2, 2 * D + 2)
+    expected = {
+        "clicked": items(torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
+        "bought": items(torch.tensor([3, 4]), torch.tensor([0, 0])),
+        "users": users(torch.tensor([7, 8, 9]), torch.tensor([0, 1])),
+    }
+    for key, value in expected.items():
+        assert torch.equal(out[key], value) and torch.equal(out.to_dict()[key], value)
+    assert torch.equal(out.values(), torch.cat(list(expected.values()), dim=1))
+
+
+def test_features_sharing_a_table_update_it_once_with_their_summed_gradients():
+    ebc, bag = two_tables(), two_tables().embedding_bags["items"]
+    upstream = torch.randn(2, 2 * D + 2, generator=torch.Generator().manual_seed(0))
+    (ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values() * upstream).sum().backward()
+    # by hand: one call over both features' bags (4 bags), as the collection dedupes per table
+    out = bag(torch.tensor([1, 2, 3, 3, 4]), torch.tensor([0, 2, 3, 3]))
+    (out * torch.cat([upstream[:, :D], upstream[:, D : 2 * D]])).sum().backward()
+    keys = bag.store.keys()
+    assert keys.tolist() == [1, 2, 3, 4]
+    items = ebc.embedding_bags["items"]
+    assert torch.equal(items.store.get_rows(keys), bag.store.get_rows(keys))
+    assert items.store.metadata(torch.tensor([3])).item() >> 32 & 0x7FFFFFFF == 1  # one write, not two
+
+
+def test_weights_of_the_input_are_per_sample_weights():
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])])
+    weights = torch.tensor([0.5, 2.0, -1.0])
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    out = ebc(KeyedJaggedTensor(["f"], values, weights=weights, lengths=lengths))
+    bag = ebc.embedding_bags["t"]
+    assert torch.equal(out["f"], bag(values, torch.tensor([0, 2]), weights))
+    assert not torch.equal(out["f"], bag(values, torch.tensor([0, 2])))
+
+
+def test_offsets_only_input_is_read_too():
+    class OffsetsOnly:  # any object with the KeyedJaggedTensor surface
+        def keys(self):
+            return ["f"]
+
+        def values(self):
+            return torch.tensor([1, 2, 3])
+
+        def offsets(self):
+            return torch.tensor([0, 2, 3])
+
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])])
+    assert torch.equal(
+        ebc(OffsetsOnly())["f"], ebc.embedding_bags["t"](torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    )
+
+
+@pytest.mark.parametrize(
+    "lengths, weights, message",
+    [
+        (torch.tensor([2, 1, 0, 2, 1]), None, "not a multiple of the 3 keys"),
+        (torch.tensor([2, 1, 0, 2, 1, 1]), None, "sum to len\\(values\\)=8; they sum to 7"),
+        (LENGTHS, torch.ones(3), "weights_or_none\\(\\) has 3 entries"),
+    ],
+)
+def test_jagged_input_is_checked_against_its_keys(lengths, weights, message):
+    with pytest.raises(ValueError, match=message):
+        two_tables()(KeyedJaggedTensor(KEYS, VALUES, weights=weights, lengths=lengths))
+
+
+def test_missing_or_unknown_features_are_a_key_error():
+    with pytest.raises(KeyError, match="missing features \\['users'\\]"):
+        two_tables()(KeyedJaggedTensor(KEYS[:2], VALUES[:5], lengths=LENGTHS[:4]))
+
+
+def test_config_checks():
+    assert KVTableConfig("t", 4).feature_names == ["t"]
+    with pytest.raises(ValueError, match="pooling"):
+        KVTableConfig("t", 4, pooling="max")
+    with pytest.raises(TypeError, match="data_type"):
+        KVTableConfig("t", 4, data_type="int8")
+    with pytest.raises(ValueError, match="one table only"):
+        KVEmbeddingBagCollection(
+            [KVTableConfig("a", 4, feature_names=["f"]), KVTableConfig("b", 4, feature_names=["f"])]
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collection_saves_and_loads_in_one_call(tmp_path, backend):
+    ebc = two_tables(backend=backend)
+    for step in range(3):
+        ebc(KeyedJaggedTensor(KEYS, VALUES + step, lengths=LENGTHS)).values().sum().backward()
+    tables = ebc.checkpoint_tables()
+    assert set(tables) == {"items.weight", "users.weight"}
+    save_checkpoint(tmp_path / "ckpt", tables, extra=ebc.extra_state())
+    fresh = two_tables(backend=backend)
+    fresh.load_extra_state(load_checkpoint(tmp_path / "ckpt", fresh.checkpoint_tables()))
+    assert (
+        fresh.extra_state()
+        == ebc.extra_state()
+        == {"items": {"optimizer_step": 3}, "users": {"optimizer_step": 3}}
+    )
+    for name in ("items", "users"):
+        a, b = ebc.embedding_bags[name].store, fresh.embedding_bags[name].store
+        assert torch.equal(a.get_rows(a.keys()), b.get_rows(a.keys())) and len(a) == len(b)
+
+
+def test_collection_state_dict_goes_through_nn_module():
+    ebc, fresh = two_tables(), two_tables()
+    ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values().sum().backward()
+    state = ebc.state_dict()
+    assert set(state) == {"embedding_bags.items.weight", "embedding_bags.users.weight"}
+    fresh.load_state_dict(state)
+    store = ebc.embedding_bags["items"].store
+    assert torch.equal(
+        fresh.embedding_bags["items"].store.get_rows(store.keys()), store.get_rows(store.keys())
+    )
+    with pytest.raises(RuntimeError, match="Unexpected key.*embedding_bags.items.extra"):
+        fresh.load_state_dict({**state, "embedding_bags.items.extra": torch.zeros(1)})
