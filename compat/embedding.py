@@ -228,6 +228,13 @@ class KVEmbeddingBag(nn.Module):
         mode only) has ``input``'s shape. Negative ids are padding: they add nothing, do
         not count in a mean, and are counted in ``stats["padding_ids"]``.
         """
+        unique, inverse, ends, per_sample_weights = self._prepare(input, offsets, per_sample_weights)
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
+        return _FusedUpdate.apply(anchor, self, unique, inverse, ends, per_sample_weights)
+
+    def _prepare(self, input, offsets, per_sample_weights):
+        """(distinct ids, inverse, bag ends [B + 1], weights or None) with padding removed;
+        every argument checked, and ``stats`` counted."""
         ids, offsets, per_sample_weights = self._normalise(input, offsets, per_sample_weights)
         ends = torch.cat([offsets, torch.tensor([len(ids)])])
         keep = ids >= 0
@@ -244,8 +251,7 @@ class KVEmbeddingBag(nn.Module):
         self.stats["ids"] += len(ids) + padding
         self.stats["padding_ids"] += padding
         self.stats["unique_ids"] += len(unique)
-        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
-        return _FusedUpdate.apply(anchor, self, unique, inverse, ends, per_sample_weights)
+        return unique, inverse, ends, per_sample_weights
 
     def _normalise(self, input, offsets, per_sample_weights):
         """(1-D CPU ids, int64 offsets [B], float32 weights or None), every argument checked."""
@@ -596,6 +602,38 @@ def _jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torc
     return keys, values, lengths, weights
 
 
+def _table_inputs(features, table_features: Mapping[str, list[str]]):
+    """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
+    one after the other, in the table's feature order, from a KeyedJaggedTensor-like."""
+    keys, values, lengths, weights = _jagged_parts(features)
+    wanted = [f for names in table_features.values() for f in names]
+    unknown = [k for k in keys if k not in wanted]
+    missing = [k for k in wanted if k not in keys]
+    if unknown or missing:
+        raise KeyError(
+            f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
+        )
+    batch = len(lengths) // len(keys)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    position = {key: k for k, key in enumerate(keys)}
+    inputs = {}
+    for table, names in table_features.items():
+        parts, part_weights, part_lengths = [], [], []
+        for name in names:
+            k = position[name]
+            first = int(starts[k * batch]) if batch else 0
+            last = int(ends[(k + 1) * batch - 1]) if batch else 0
+            parts.append(values[first:last])
+            part_lengths.append(lengths[k * batch : (k + 1) * batch])
+            if weights is not None:
+                part_weights.append(weights[first:last])
+        table_lengths = torch.cat(part_lengths)
+        offsets = torch.cumsum(table_lengths, 0) - table_lengths
+        inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
+    return batch, inputs
+
+
 class _Tables(nn.Module):
     """The collection's bags by table name: ``tables[name]``.
 
@@ -669,38 +707,13 @@ class KVEmbeddingBagCollection(nn.Module):
 
     def forward(self, features) -> KeyedTensor:
         """Pool each feature of ``features`` in its table; a :class:`KeyedTensor`."""
-        keys, values, lengths, weights = _jagged_parts(features)
-        wanted = self.feature_names()
-        unknown = [k for k in keys if k not in wanted]
-        missing = [k for k in wanted if k not in keys]
-        if unknown or missing:
-            raise KeyError(
-                f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
-            )
-        batch = len(lengths) // len(keys)
-        ends = torch.cumsum(lengths, 0)
-        starts = ends - lengths
-        position = {key: k for k, key in enumerate(keys)}
+        batch, inputs = _table_inputs(features, self._table_features)
         pooled, dims = [], []
-        for table, names in self._table_features.items():
+        for table, (ids, offsets, weights) in inputs.items():
             bag = self.embedding_bags[table]
-            parts, part_weights, part_lengths = [], [], []
-            for name in names:
-                k = position[name]
-                first, last = (
-                    int(starts[k * batch]) if batch else 0,
-                    int(ends[(k + 1) * batch - 1]) if batch else 0,
-                )
-                parts.append(values[first:last])
-                part_lengths.append(lengths[k * batch : (k + 1) * batch])
-                if weights is not None:
-                    part_weights.append(weights[first:last])
-            table_lengths = torch.cat(part_lengths)
-            offsets = torch.cumsum(table_lengths, 0) - table_lengths
-            out = bag(torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
-            pooled.extend(out.split(batch))
-            dims.extend([bag.embedding_dim] * len(names))
-        return KeyedTensor(wanted, dims, torch.cat(pooled, dim=1))
+            pooled.extend(bag(ids, offsets, weights).split(batch))
+            dims.extend([bag.embedding_dim] * len(self._table_features[table]))
+        return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""

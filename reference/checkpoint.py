@@ -744,9 +744,13 @@ def row_wise_id_range(num_embeddings: int, rank: int, world_size: int) -> tuple[
     """The ids a rank owns under row-wise sharding (TorchRec's even blocks of ids).
 
     Rank ``r`` owns ``[r * block, min(num_embeddings, (r + 1) * block))`` with
-    ``block = ceil(num_embeddings / world_size)``; pass it as ``id_range``.
+    ``block = ceil(num_embeddings / world_size)``, except that the last rank's range
+    runs to ``2**63``: ids at or above ``num_embeddings`` (hashed ids) are loaded there,
+    never dropped, so the ranges of all ranks cover every non-negative id exactly once.
+    Pass it as ``id_range``; for hashed ids prefer ``leanstate.bucket_owner``.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
     block = -(-num_embeddings // world_size)
-    return min(num_embeddings, rank * block), min(num_embeddings, (rank + 1) * block)
+    hi = 2**63 if rank == world_size - 1 else min(num_embeddings, (rank + 1) * block)
+    return min(num_embeddings, rank * block), hi

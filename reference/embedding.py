@@ -112,6 +112,47 @@ def bag_lengths(offsets: torch.Tensor) -> torch.Tensor:
     return torch.diff(offsets).clamp(min=1).to(torch.float32)[:, None]
 
 
+def pool_rows(
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+) -> torch.Tensor:
+    """float32 [B, D]: bag b sums ``rows[inverse[p]]`` (times ``per_sample_weights[p]``) over
+    its positions p in order, from zero; a mean divides by the bag's length.
+
+    ``rows`` [U, D] are the distinct ids' weights (any float dtype, read as float32).
+    """
+    contributions = rows.float()[inverse]
+    if per_sample_weights is not None:
+        contributions = contributions * per_sample_weights[:, None]
+    pooled = torch.zeros(len(offsets) - 1, rows.shape[1])
+    pooled.index_add_(0, bag_of_positions(offsets, len(inverse)), contributions)
+    return pooled / bag_lengths(offsets) if mean else pooled
+
+
+def row_gradients(
+    unique_count: int,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+    grad_output: torch.Tensor,
+) -> torch.Tensor:
+    """float32 [U, D]: each distinct id's gradient, summed over its positions in order from zero.
+
+    A position's contribution is its bag's output gradient (divided by the bag's length
+    for a mean, then times its per-sample weight).
+    """
+    if mean:
+        grad_output = grad_output / bag_lengths(offsets)
+    contributions = grad_output[bag_of_positions(offsets, len(inverse))]
+    if per_sample_weights is not None:
+        contributions = contributions * per_sample_weights[:, None]
+    return torch.zeros(unique_count, grad_output.shape[1]).index_add_(0, inverse, contributions)
+
+
 class EmbeddingEngine:
     """The reference embedding engine: gathers and scatters through the store engines.
 
@@ -148,12 +189,7 @@ class EmbeddingEngine:
         """
         layout = self.weights.layout
         rows = self.weights.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
-        contributions = rows.float()[inverse]
-        if per_sample_weights is not None:
-            contributions = contributions * per_sample_weights[:, None]
-        pooled = torch.zeros(len(offsets) - 1, layout.dim)
-        pooled.index_add_(0, bag_of_positions(offsets, len(inverse)), contributions)
-        return pooled / bag_lengths(offsets) if mean else pooled
+        return pool_rows(rows, inverse, offsets, per_sample_weights, mean)
 
     def update(
         self,
@@ -174,12 +210,7 @@ class EmbeddingEngine:
         more write and is stamped ``now``.
         """
         layout = self.weights.layout
-        if mean:
-            grad_output = grad_output / bag_lengths(offsets)
-        contributions = grad_output[bag_of_positions(offsets, len(inverse))]
-        if per_sample_weights is not None:
-            contributions = contributions * per_sample_weights[:, None]
-        grad = torch.zeros(len(unique), layout.dim).index_add_(0, inverse, contributions)
+        grad = row_gradients(len(unique), inverse, offsets, per_sample_weights, mean, grad_output)
         start, dim = layout.weight_offset, layout.dim
         if self.state is None:  # one read and one write of [weight | state] per row
             end = self.state_start + self.state_width if self.state_width else start + dim

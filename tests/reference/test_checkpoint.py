@@ -147,6 +147,7 @@ def test_id_range_loads_a_share_and_reads_only_its_chunks(tmp_path):
 def test_every_world_size_partitions_the_rows(tmp_path, world_size):
     src = KVStore(4, clock=FakeClock())
     src.set(torch.arange(0, 101, 3), torch.randn(34, 4))
+    src.set(torch.tensor([123456789, 2**62]), torch.randn(2, 4))  # above num_embeddings: never dropped
     save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=7 * src.layout.row_bytes)
     seen = []
     for rank in range(world_size):
