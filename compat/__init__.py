@@ -32,6 +32,7 @@ from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout
+from leanstate.reference.sharding import bucket_owner
 from leanstate.reference.wrappers import (
     ActivationWrapper,
     CheckpointImpl,
@@ -41,6 +42,7 @@ from leanstate.reference.wrappers import (
     checkpoint_wrapper,
     offload_wrapper,
 )
+from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 
 try:
     __version__ = version("leanstate")
@@ -63,8 +65,10 @@ __all__ = [
     "OffloadWrapper",
     "PinnedMemoryPool",
     "RowLayout",
+    "ShardedKVEmbeddingBagCollection",
     "apply_activation_checkpointing",
     "backend_info",
+    "bucket_owner",
     "checkpoint_wrapper",
     "load_checkpoint",
     "load_legacy_checkpoint",

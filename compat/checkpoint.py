@@ -16,6 +16,7 @@ from leanstate import _backends
 from leanstate.reference.checkpoint import DEFAULT_CHUNK_BYTES, Progress
 from leanstate.reference.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.sharded_checkpoint import load_sharded, save_sharded
 
 
 def _module(backend: str | None):
@@ -29,6 +30,7 @@ def save_checkpoint(
     extra: Mapping[str, object] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress | None = None,
+    process_group=None,
     backend: str | None = None,
 ) -> Path:
     """Save whole-row tables (and optional dense ``extra`` state) atomically to ``path``.
@@ -40,10 +42,16 @@ def save_checkpoint(
     leaves a half-written checkpoint at ``path`` and never destroys the previous one.
     Returns ``path``.
 
+    With ``process_group`` (call on every rank) ``tables`` is a sharded module's
+    ``checkpoint_tables()``: every rank writes its own rows, bucket-major, and rank 0 the
+    manifest last (format version 2, ``spec/sharding.md``).
+
     Example::
 
         >>> leanstate.save_checkpoint("ckpt", {"user": store}, extra={"step": 10})
     """
+    if process_group is not None:
+        return save_sharded(path, tables, process_group=process_group, extra=extra, chunk_bytes=chunk_bytes)
     return _module(backend).save_checkpoint(
         path, tables, extra=extra, chunk_bytes=chunk_bytes, progress=progress
     )
@@ -56,6 +64,7 @@ def load_checkpoint(
     id_range: tuple[int, int] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress | None = None,
+    process_group=None,
     backend: str | None = None,
 ) -> dict[str, object]:
     """Stream the named tables from ``path`` into their stores; return the ``extra`` state.
@@ -67,10 +76,20 @@ def load_checkpoint(
     file and chunk and leaves the stores as they were. Memory beyond the stores is a few
     slices of ``chunk_bytes``, whatever the table size.
 
+    With ``process_group`` (call on every rank) ``tables`` is a sharded module's
+    ``checkpoint_tables()``, and a checkpoint saved at any world size (or by one process)
+    loads: each rank reads only the chunks of the buckets it owns.
+
     Example::
 
         >>> extra = leanstate.load_checkpoint("ckpt", {"user": fresh_store})
     """
+    if process_group is not None:
+        if id_range is not None:
+            raise ValueError(
+                "load_checkpoint: id_range and process_group exclude each other (buckets decide)"
+            )
+        return load_sharded(path, tables, process_group=process_group, chunk_bytes=chunk_bytes)
     return _module(backend).load_checkpoint(
         path, tables, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress
     )

@@ -308,8 +308,13 @@ class KVEmbeddingBag(nn.Module):
 
     # -- the fused optimizer ------------------------------------------------------------
 
-    def _apply_gradient(self, unique, inverse, offsets, per_sample_weights, grad_output) -> None:
-        """Update the rows of the distinct ``unique`` ids from the pooled output's gradient."""
+    def _apply_gradient(
+        self, unique, inverse, offsets, per_sample_weights, grad_output, *, mean=None
+    ) -> None:
+        """Update the rows of the distinct ``unique`` ids from the pooled output's gradient.
+
+        ``mean``: whether the bags were means (default: this bag's mode).
+        """
         self.optimizer_step += 1
         beta1, beta2 = self.betas
         self._engine.update(
@@ -317,7 +322,7 @@ class KVEmbeddingBag(nn.Module):
             inverse,
             offsets,
             per_sample_weights,
-            self.mode == "mean",
+            self.mode == "mean" if mean is None else mean,
             grad_output.cpu().to(torch.float32),
             hyperparameters=dict(
                 lr=self.lr, eps=self.eps, beta1=beta1, beta2=beta2, weight_decay=self.weight_decay

@@ -410,14 +410,16 @@ BY_WORLD = {
 }
 
 
-def _worker(rank: int, world: int, port: int, folder: str, module: str) -> None:
-    """Run the scenarios ``BY_WORLD[world]`` of test module ``module`` on this rank."""
+def _worker(
+    rank: int, world: int, port: int, folder: str, module: str, names: list[str] | None = None
+) -> None:
+    """Run the scenarios ``names`` (default ``BY_WORLD[world]``) of test module ``module`` on this rank."""
     scenarios = importlib.import_module(module).SCENARIOS
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     results = {}
-    for name in importlib.import_module(module).BY_WORLD[world]:
+    for name in names if names is not None else importlib.import_module(module).BY_WORLD[world]:
         try:
             scenarios[name](rank, world, folder)
             results[name] = "ok"
@@ -435,21 +437,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, folder: Path, module: str = __name__) -> dict[str, list[str]]:
+def run_world(
+    world: int, folder: Path, module: str = __name__, names: list[str] | None = None
+) -> dict[str, list[str]]:
     """Spawn ``world`` ranks running ``module``'s scenarios; scenario -> failures.
 
     A world whose processes die (not a failing scenario: those are recorded) is started
     once more on a fresh port, since the port is picked before the ranks bind it.
     """
     try:
-        return _run_world_once(world, folder, module)
+        return _run_world_once(world, folder, module, names)
     except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as exc:
         print(f"world {world} died ({type(exc).__name__}); starting it again", file=sys.stderr)
-        return _run_world_once(world, folder, module)
+        return _run_world_once(world, folder, module, names)
 
 
-def _run_world_once(world: int, folder: Path, module: str) -> dict[str, list[str]]:
-    args = (world, _free_port(), str(folder), module)
+def _run_world_once(world: int, folder: Path, module: str, names: list[str] | None) -> dict[str, list[str]]:
+    args = (world, _free_port(), str(folder), module, names)
     context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 600
     while not context.join(timeout=5):

@@ -1,0 +1,240 @@
+"""``leanstate.ShardedKVEmbeddingBagCollection``: KV tables sharded across ranks by buckets.
+
+Each rank holds the rows of the buckets it owns (``leanstate.bucket_owner``) in local
+KV stores of the chosen engine. A step moves each distinct id once per rank:
+
+1. forward: the rank dedupes its ids per table and sends each distinct id to its owner
+   (``all_to_all_single``, variable splits); the owner gathers the rows (missing ids read
+   their initial rows, not inserted) and sends them back; the requester pools;
+2. backward: the requester sums each distinct id's gradient over its positions and
+   sends it to the owner; the owner sums what it received in a fixed order (source
+   rank, then position) and applies the fused optimizer in its store.
+
+The result is that of one :class:`KVEmbeddingBagCollection` trained on the concatenated
+global batch: bit-identical where the arithmetic is exact, within float32 rounding
+otherwise (``spec/sharding.md``). Every rank must call forward and backward each step.
+
+Example (on every rank of an initialised process group)::
+
+    >>> ebc = ShardedKVEmbeddingBagCollection([KVTableConfig("items", 64, feature_names=["item"])])
+    >>> out = ebc(KeyedJaggedTensor(["item"], local_ids, lengths=local_lengths))
+    >>> out.values().sum().backward()   # rows updated on their owners
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leanstate.embedding import KeyedTensor, KVTableConfig, _table_inputs, _Tables
+from leanstate.reference.embedding import pool_rows, row_gradients
+from leanstate.reference.sharded_checkpoint import BucketedTable
+from leanstate.reference.sharding import bucket_owner, bucket_range
+
+
+class _Plan:
+    """One table's exchange in one step: who asked whom for which ids."""
+
+    def __init__(self, order, send_counts, recv_counts, recv_ids) -> None:
+        self.order, self.send_counts, self.recv_counts, self.recv_ids = (
+            order,
+            send_counts,
+            recv_counts,
+            recv_ids,
+        )
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """Every table's exchange and pooling in one node, so backward handles the tables in
+    the same fixed order on every rank."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, prepared):
+        ctx.module, ctx.prepared, ctx.plans = module, prepared, []
+        outputs = []
+        for table, (unique, inverse, ends, weights) in prepared.items():
+            rows, plan = module._fetch(table, unique)
+            ctx.plans.append(plan)
+            mean = module.embedding_bags[table].mode == "mean"
+            outputs.append(pool_rows(rows, inverse, ends, weights, mean))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for (table, saved), plan, grad in zip(ctx.prepared.items(), ctx.plans, grads, strict=True):
+            unique, inverse, ends, weights = saved
+            if grad is None:  # an output the loss did not use: zero gradients, still exchanged
+                grad = torch.zeros(len(ends) - 1, ctx.module.embedding_bags[table].embedding_dim)
+            ctx.module._push_gradients(
+                table, unique, inverse, ends, weights, plan, grad.detach().contiguous()
+            )
+        return None, None, None
+
+
+class ShardedKVEmbeddingBagCollection(nn.Module):
+    """KV embedding tables sharded across the ranks of ``process_group`` by buckets.
+
+    Args:
+        tables: ``KVTableConfig`` list, as for ``KVEmbeddingBagCollection``.
+        process_group: default the world; gloo on CPU, NCCL on GPUs.
+        total_num_buckets: buckets per table (T); a table with ``num_embeddings`` (n) uses
+            chunk mode with ``min(T, n)`` buckets of ``ceil(n / min(T, n))`` ids, a hashed
+            one (``num_embeddings=None``) interleaved mode with T buckets. ``bucketing``
+            holds each table's (buckets, bucket_size or None).
+        clock, backend: of the local bags.
+
+    ``forward(features)`` takes this rank's KeyedJaggedTensor-like batch and returns a
+    ``KeyedTensor`` for it. ``embedding_bags[name]`` is this rank's share of a table (a
+    ``KVEmbeddingBag`` holding only owned rows). ``exchange_stats`` counts the bytes this
+    rank sent (``bytes``) and its share of the minimum (``min_bytes``: its distinct ids
+    times a weight row and a float32 gradient row).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[KVTableConfig],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        total_num_buckets: int = 1024,
+        clock=None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        configs = list(tables)
+        if not configs or not all(isinstance(c, KVTableConfig) for c in configs):
+            raise TypeError(
+                "ShardedKVEmbeddingBagCollection: tables must be a non-empty list of KVTableConfig"
+            )
+        names = [c.name for c in configs]
+        everything = [f for c in configs for f in c.feature_names]
+        if len(set(names)) != len(names) or len(set(everything)) != len(everything):
+            raise ValueError(
+                f"ShardedKVEmbeddingBagCollection: table names must be unique and a feature may feed one "
+                f"table only; got tables {names}, features {everything}"
+            )
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.embedding_bags = _Tables({c.name: c._build(clock=clock, backend=backend) for c in configs})
+        self._table_features = {c.name: c.feature_names for c in configs}
+        # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
+        self.bucketing = {
+            c.name: (total_num_buckets, None)
+            if c.num_embeddings is None
+            else (
+                min(total_num_buckets, c.num_embeddings),
+                -(-c.num_embeddings // min(total_num_buckets, c.num_embeddings)),
+            )
+            for c in configs
+        }
+        for buckets, _ in self.bucketing.values():
+            bucket_range(self.rank, self.world_size, buckets)  # checks world_size <= buckets
+        self.exchange_stats = {"steps": 0, "bytes": 0, "min_bytes": 0}
+
+    def extra_repr(self) -> str:
+        return (
+            f"tables={list(self._table_features)}, rank={self.rank}, world_size={self.world_size}, "
+            f"bucketing={self.bucketing}"
+        )
+
+    def feature_names(self) -> list[str]:
+        """Every feature, in output order."""
+        return [f for names in self._table_features.values() for f in names]
+
+    def owned_buckets(self, table: str) -> tuple[int, int]:
+        """The buckets ``[first, end)`` of ``table`` this rank owns."""
+        return bucket_range(self.rank, self.world_size, self.bucketing[table][0])
+
+    def owner(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rank owning each id of ``table`` (``-1`` for padding)."""
+        buckets, size = self.bucketing[table]
+        return bucket_owner(ids, world_size=self.world_size, total_num_buckets=buckets, bucket_size=size)
+
+    def forward(self, features) -> KeyedTensor:
+        """Pool this rank's batch; rows come from (and gradients go to) their owners."""
+        batch, inputs = _table_inputs(features, self._table_features)
+        prepared = {
+            table: self.embedding_bags[table]._prepare(ids, offsets, weights)
+            for table, (ids, offsets, weights) in inputs.items()
+        }
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
+        outputs = _ShardedLookup.apply(anchor, self, prepared)
+        pooled, dims = [], []
+        for table, out in zip(prepared, outputs, strict=True):
+            pooled.extend(out.split(batch))
+            dims.extend([self.embedding_bags[table].embedding_dim] * len(self._table_features[table]))
+        self.exchange_stats["steps"] += 1
+        return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def checkpoint_tables(self) -> dict[str, BucketedTable]:
+        """This rank's share of every table, for ``save_checkpoint``/``load_checkpoint`` with
+        ``process_group``: ``"<table>.weight"`` (whole rows, the optimizer state inside when
+        offloaded) and ``"<table>.optimizer_state"`` (its own store otherwise)."""
+        tables = {}
+        for name, bag in self.embedding_bags.named_children():
+            buckets, size = self.bucketing[name]
+            tables[f"{name}.weight"] = BucketedTable(bag.store, buckets, size)
+            if bag.state_store is not None:
+                tables[f"{name}.optimizer_state"] = BucketedTable(bag.state_store, buckets, size)
+        return tables
+
+    def extra_state(self) -> dict[str, dict[str, int]]:
+        """Table name -> its bag's ``extra_state()`` (the same on every rank)."""
+        return {name: bag.extra_state() for name, bag in self.embedding_bags.named_children()}
+
+    def load_extra_state(self, extra) -> None:
+        """Restore what :meth:`extra_state` returned."""
+        for name, bag in self.embedding_bags.named_children():
+            bag.load_extra_state(extra[name])
+
+    # -- the exchange ---------------------------------------------------------------
+
+    def _all_to_all(
+        self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``send`` (grouped by destination rank) to their ranks; what this rank receives."""
+        received = torch.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype)
+        dist.all_to_all_single(
+            received,
+            send.contiguous(),
+            output_split_sizes=recv_counts.tolist(),
+            input_split_sizes=send_counts.tolist(),
+            group=self.process_group,
+        )
+        self.exchange_stats["bytes"] += send.numel() * send.element_size()
+        return received
+
+    def _fetch(self, table: str, unique: torch.Tensor) -> tuple[torch.Tensor, _Plan]:
+        """The weights of the distinct ids ``unique`` [U, D] (row dtype), from their owners."""
+        bag = self.embedding_bags[table]
+        layout = bag.store.layout
+        owners = self.owner(table, unique)
+        order = torch.argsort(owners, stable=True)
+        send_counts = torch.bincount(owners, minlength=self.world_size)
+        recv_counts = self._all_to_all(send_counts, torch.ones(self.world_size, dtype=torch.int64),
+                                       torch.ones(self.world_size, dtype=torch.int64))  # fmt: skip
+        recv_ids = self._all_to_all(unique[order], send_counts, recv_counts)
+        served = bag.store._engine.gather(
+            recv_ids, start=layout.weight_offset, width=layout.dim, initial=True
+        )
+        # rows travel as their bytes: every collective backend moves uint8, not every one bfloat16
+        back = self._all_to_all(served.view(torch.uint8), recv_counts, send_counts).view(layout.dtype)
+        rows = torch.empty_like(back)
+        rows[order] = back
+        self.exchange_stats["min_bytes"] += len(unique) * layout.dim * (layout.itemsize + 4)
+        return rows, _Plan(order, send_counts, recv_counts, recv_ids)
+
+    def _push_gradients(self, table, unique, inverse, ends, weights, plan: _Plan, grad_output) -> None:
+        """Send each distinct id's gradient to its owner, who sums and applies them."""
+        bag = self.embedding_bags[table]
+        grad = row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
+        received = self._all_to_all(grad[plan.order], plan.send_counts, plan.recv_counts)
+        # received rows are in (source rank, position) order: each its own one-row bag
+        owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)
+        positions = torch.arange(len(received) + 1, dtype=torch.int64)
+        bag._apply_gradient(owned, owned_inverse, positions, None, received, mean=False)

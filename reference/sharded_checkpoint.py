@@ -1,0 +1,379 @@
+"""Whole-row checkpoints across ranks (format version 2): bucket-major, one file per rank.
+
+Every rank writes the rows it owns, per table, to ``<table>.rank<r>.rows`` in one
+checkpoint directory, bucket-major (ascending bucket, then id), in chunks that never
+span two buckets; rank 0 writes the manifest last, after every rank has fsynced, then
+renames the directory into place (``spec/sharding.md``). Loading at any world size,
+each rank reads only the chunks of the buckets it owns there, each one CRC-checked
+before its rows are applied. A version-1 checkpoint (one process, ascending ids) loads
+too: each rank then reads every chunk and keeps the rows it owns.
+
+Example (on every rank)::
+
+    >>> save_checkpoint("ckpt", ebc.checkpoint_tables(), extra=ebc.extra_state(), process_group=group)
+    >>> load_checkpoint("ckpt", fresh.checkpoint_tables(), process_group=group)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from leanstate.reference import checkpoint as v1
+from leanstate.reference.kv_store import KVStore
+from leanstate.reference.row_format import RowLayout, header_words
+from leanstate.reference.sharding import bucket_of, bucket_owner
+
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class BucketedTable:
+    """One table of a sharded module as a checkpoint sees it: this rank's store and the
+    table's bucketing (``buckets`` buckets; chunk mode with ``bucket_size``, else interleaved)."""
+
+    store: KVStore
+    buckets: int
+    bucket_size: int | None
+
+    def owner(self, ids: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The rank owning each id at ``world_size``."""
+        return bucket_owner(
+            ids, world_size=world_size, total_num_buckets=self.buckets, bucket_size=self.bucket_size
+        )
+
+    def bucket(self, ids: torch.Tensor) -> torch.Tensor:
+        """The bucket of each id."""
+        return bucket_of(ids, total_num_buckets=self.buckets, bucket_size=self.bucket_size)
+
+
+def _check_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
+    if not isinstance(tables, Mapping) or not all(isinstance(t, BucketedTable) for t in tables.values()):
+        raise TypeError(
+            f"{method}: with process_group, tables must be a sharded module's checkpoint_tables() "
+            "(name -> BucketedTable)"
+        )
+    v1._targets({name: t.store for name, t in tables.items()}, method)  # the names' rules
+
+
+def _agree(value: object, group: dist.ProcessGroup) -> object:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int) -> dict:
+    """This rank's rows of one table, bucket-major, chunks within one bucket; the file's entry."""
+    layout = table.store.layout
+    rows_per_chunk = max(1, chunk_bytes // layout.row_bytes)
+    keys = table.store.keys()
+    order = torch.argsort(table.bucket(keys), stable=True)  # keys ascend: (bucket, id) order
+    keys = keys[order]
+    buckets = table.bucket(keys)
+    chunks, offset = [], 0
+    with open(file, "wb") as f:
+        starts = torch.cat(
+            [torch.zeros(1, dtype=torch.int64), torch.nonzero(torch.diff(buckets)).flatten() + 1]
+        )
+        ends = torch.cat([starts[1:], torch.tensor([len(keys)])])
+        for first, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            if first == end:
+                continue
+            for start in range(first, end, rows_per_chunk):
+                rows = table.store.get_rows(keys[start : min(end, start + rows_per_chunk)])
+                rows = rows[header_words(rows)[:, 1] < 0]  # drop ids deleted since keys() listed them
+                if len(rows) == 0:
+                    continue
+                data = v1._row_bytes(rows)
+                f.write(data)
+                entry = v1._chunk_entry(rows, offset, v1._checksum(data))
+                entry["bucket"] = int(buckets[first])
+                chunks.append(entry)
+                offset += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": file.name, "bytes": offset, "chunks": chunks}
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    tables: Mapping[str, BucketedTable],
+    *,
+    process_group: dist.ProcessGroup,
+    extra: Mapping[str, object] | None = None,
+    chunk_bytes: int = v1.DEFAULT_CHUNK_BYTES,
+) -> Path:
+    """Save every rank's share of ``tables`` into one checkpoint at ``path``. Call on every rank.
+
+    ``extra`` is taken from rank 0. A failure on any rank fails the save on every rank
+    and leaves ``path`` as it was.
+    """
+    method = "save_checkpoint"
+    _check_tables(tables, method)
+    v1._check_chunk_bytes(method, chunk_bytes)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    path = Path(path)
+    problem, staging, extra_bytes = None, None, None
+    if rank == 0:
+        try:
+            path = v1._checked_target(path, method)
+            extra_bytes = None if extra is None else v1._extra_bytes(extra, method)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            v1._remove_stale_staging(path)
+            staging = path.parent / f".{path.name}.saving-{secrets.token_hex(4)}"
+            staging.mkdir()
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    staging, problem = _agree((staging, problem), process_group)
+    if problem is not None:
+        raise ValueError(f"{method}: rank 0: {problem}")
+    files, problem = {}, None
+    try:
+        for name, table in tables.items():
+            files[name] = _write_rank_file(table, staging / f"{name}.rank{rank}.rows", chunk_bytes)
+    except Exception as exc:
+        problem = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(
+        (problem, files), gathered, dst=dist.get_global_rank(process_group, 0), group=process_group
+    )
+    outcome = None
+    if rank == 0:
+        outcome = next((p for p, _ in gathered if p is not None), None)
+        try:
+            if outcome is None:
+                _commit(path, staging, tables, [f for _, f in gathered], world, extra_bytes)
+        except Exception as exc:
+            outcome = f"rank 0: {type(exc).__name__}: {exc}"
+        if outcome is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    outcome = _agree(outcome, process_group)
+    if outcome is not None:
+        raise OSError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
+    return path
+
+
+def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world: int, extra_bytes) -> None:
+    """Rank 0, once every rank has fsynced its files: extra, manifest last, rename into place."""
+    manifest = {
+        "format": v1.FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "world_size": world,
+        "tables": {},
+        "extra": None,
+    }
+    for name, table in tables.items():
+        layout = table.store.layout
+        files = [dict(files[name], rank=r) for r, files in enumerate(files_by_rank)]
+        rows = sum(c["rows"] for f in files for c in f["chunks"])
+        manifest["tables"][name] = {
+            "dim": layout.dim,
+            "optimizer_state_dim": layout.state_dim,
+            "dtype": v1._dtype_name(layout.dtype),
+            "header_elems": layout.header_elems,
+            "width": layout.width,
+            "row_bytes": layout.row_bytes,
+            "rows": rows,
+            "checksum": v1.CHECKSUM,
+            "bucketing": {"buckets": table.buckets, "bucket_size": table.bucket_size},
+            "files": files,
+        }
+    if extra_bytes is not None:
+        with open(staging / v1.EXTRA_FILE, "wb") as f:
+            f.write(extra_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest["extra"] = {
+            "file": v1.EXTRA_FILE,
+            "bytes": len(extra_bytes),
+            "crc": crc32c.crc32c(extra_bytes),
+        }
+    with open(staging / v1.MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    v1._fsync_dir(staging)
+    previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
+    if path.exists():
+        os.rename(path, previous)
+    try:
+        os.rename(staging, path)
+    except BaseException:
+        if previous.exists():
+            os.rename(previous, path)
+        raise
+    v1._fsync_dir(path.parent)
+    if previous.exists():
+        v1._remove_checkpoint(previous)
+
+
+# -- load ---------------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> dict:
+    """A version-1 manifest (checked by the v1 reader) or a version-2 one (checked here)."""
+    file = path / v1.MANIFEST
+    if not file.is_file():
+        return v1.read_manifest(path)  # raises, naming what is missing
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise v1.CheckpointError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
+        return v1.read_manifest(path)
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise v1.CheckpointError(f"{file}: {problem}")
+    return manifest
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    if manifest.get("format") != v1.FORMAT_NAME:
+        return f"format is {manifest.get('format')!r}, not {v1.FORMAT_NAME!r}"
+    if not isinstance(manifest.get("tables"), dict):
+        return "'tables' must be an object"
+    for name, table in manifest["tables"].items():
+        if not isinstance(table, dict) or not isinstance(table.get("files"), list):
+            return f"tables[{name!r}] must be an object with a 'files' list"
+        bucketing = table.get("bucketing")
+        if not isinstance(bucketing, dict) or not v1._is_count(bucketing.get("buckets")):
+            return f"tables[{name!r}].bucketing must hold a bucket count"
+        total = 0
+        for f in table["files"]:
+            if (
+                not isinstance(f, dict)
+                or not v1._plain_name(f.get("file"))
+                or not isinstance(f.get("chunks"), list)
+            ):
+                return f"tables[{name!r}].files entries must name a plain file and list its chunks"
+            offset = 0
+            for i, chunk in enumerate(f["chunks"]):
+                keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
+                if not isinstance(chunk, dict) or not all(v1._is_count(chunk.get(k)) for k in keys):
+                    return f"{f['file']} chunk {i}: needs non-negative integers {', '.join(keys)}"
+                if chunk["offset"] != offset:
+                    return f"{f['file']} chunk {i}: offset {chunk['offset']}, expected {offset} (contiguous)"
+                offset += chunk["rows"] * table.get("row_bytes", 0)
+                total += chunk["rows"]
+            if f.get("bytes") != offset:
+                return f"{f['file']}: bytes {f.get('bytes')} but its chunks cover {offset}"
+        if table.get("rows") != total:
+            return f"tables[{name!r}]: rows {table.get('rows')} but its chunks hold {total}"
+    return None
+
+
+def _files_of(table: dict) -> list[dict]:
+    """A table's files, each with its chunks: version 2's list, or version 1's one file."""
+    return table["files"] if "files" in table else [{"file": table["file"], "chunks": table["chunks"]}]
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    tables: Mapping[str, BucketedTable],
+    *,
+    process_group: dist.ProcessGroup,
+    chunk_bytes: int = v1.DEFAULT_CHUNK_BYTES,
+) -> dict[str, object]:
+    """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every rank.
+
+    Version 2: only the chunks of buckets this rank owns are read. Version 1: every chunk
+    is read and only owned rows are applied. Returns the extra state; the statistics of
+    the load are in :data:`last_load_stats` (this rank's bytes and chunks read). If any
+    rank fails, every rank raises and rows loaded into empty stores are removed.
+    """
+    method = "load_checkpoint"
+    _check_tables(tables, method)
+    path = Path(path)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
+    empty = all(len(t.store) == 0 for t in tables.values())
+    problem, extra = None, {}
+    try:
+        manifest = _read_manifest(path)
+        missing = [name for name in tables if name not in manifest["tables"]]
+        if missing:
+            raise v1.CheckpointError(
+                f"{path / v1.MANIFEST}: no table {missing[0]!r} (it has {list(manifest['tables'])})"
+            )
+        for name, table in tables.items():
+            _check_table(path, name, manifest["tables"][name], table)
+        extra = v1._read_extra(path, manifest)
+        plan = [(name, table, manifest["tables"][name]) for name, table in tables.items()]
+        if not empty:  # rows already there could not be restored: verify every chunk first
+            for name, table, saved in plan:
+                _load_table(path, name, table, saved, rank, world, stats, apply=False)
+            stats = dict.fromkeys(stats, 0)
+        for name, table, saved in plan:
+            _load_table(path, name, table, saved, rank, world, stats, apply=True)
+    except Exception as exc:
+        problem = f"rank {rank}: {exc}"
+    problems = [None] * world
+    dist.all_gather_object(problems, problem, group=process_group)
+    failed = [p for p in problems if p is not None]
+    if failed:
+        if empty:
+            for table in tables.values():
+                table.store.delete(table.store.keys())
+        raise v1.CheckpointError(f"{method}: the load across ranks failed: {failed[0]}")
+    last_load_stats.clear()
+    last_load_stats.update(stats)
+    return extra
+
+
+last_load_stats: dict[str, int] = {}
+"""This process's statistics of its last ``load_sharded``: bytes and chunks read, rows loaded."""
+
+
+def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
+    v1._check_layout(path, name, {**saved, "file": f"{name}.rows"}, table.store)
+    bucketing = saved.get("bucketing")
+    if bucketing is not None and (bucketing["buckets"], bucketing["bucket_size"]) != (
+        table.buckets,
+        table.bucket_size,
+    ):
+        raise v1.CheckpointError(
+            f"table {name!r} in {path / v1.MANIFEST}: saved with {bucketing['buckets']} buckets of size "
+            f"{bucketing['bucket_size']}; this module has {table.buckets} of size {table.bucket_size} "
+            "(build it with the same total_num_buckets and num_embeddings)"
+        )
+
+
+def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stats, *, apply: bool) -> None:
+    layout = RowLayout(saved["dim"], saved["optimizer_state_dim"], table.store.layout.dtype)
+    check = v1._CHECKSUMS[saved.get("checksum", "crc32")]
+    by_bucket = "files" in saved
+    for f in _files_of(saved):
+        file = path / f["file"]
+        with open(file, "rb") as handle:
+            for i, chunk in enumerate(f["chunks"]):
+                if by_bucket and chunk["bucket"] * world // table.buckets != rank:
+                    continue  # another rank's bucket: not even read
+                handle.seek(chunk["offset"])
+                size = chunk["rows"] * layout.row_bytes
+                data = handle.read(size)
+                stats["bytes_read"] += len(data)
+                stats["chunks_read"] += 1
+                where = f"{file} chunk {i}"
+                if len(data) != size:
+                    raise v1.CheckpointError(f"{where}: truncated ({len(data)} of {size} bytes)")
+                if check(data, 0) != chunk["crc"]:
+                    raise v1.CheckpointError(f"{where}: checksum mismatch")
+                rows = torch.frombuffer(bytearray(data), dtype=layout.dtype).view(chunk["rows"], layout.width)
+                keys = header_words(rows)[:, 0]
+                if by_bucket and not bool((table.bucket(keys) == chunk["bucket"]).all()):
+                    raise v1.CheckpointError(f"{where}: holds ids outside bucket {chunk['bucket']}")
+                if apply:
+                    mine = table.owner(keys, world) == rank
+                    rows = rows[mine]
+                    table.store.set_rows(rows)
+                    stats["rows_loaded"] += len(rows)

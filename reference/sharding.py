@@ -1,0 +1,68 @@
+"""Which rank owns an id: buckets, as FBGEMM's KV ZCH tables assign them.
+
+An id falls in one of ``total_num_buckets`` buckets, and each rank owns a contiguous
+range of buckets, so both sequential and hashed ids balance and every non-negative id
+has exactly one owner at every world size (``spec/sharding.md``):
+
+- chunk mode (``bucket_size`` given, for ids in ``[0, num_embeddings)``):
+  ``bucket = min(id // bucket_size, total_num_buckets - 1)`` (ids past the end fall in
+  the last bucket rather than in none);
+- interleaved mode (``bucket_size=None``, for hashed ids): ``bucket = id % total_num_buckets``.
+
+Rank ``r`` of ``W`` owns buckets ``[ceil(r * T / W), ceil((r + 1) * T / W))``, that is
+``owner = bucket * W // T``. Negative ids are padding: bucket and owner ``-1``.
+
+Example::
+
+    >>> bucket_owner(torch.tensor([0, 5, 1023, -1]), world_size=2, total_num_buckets=1024)
+    tensor([ 0,  0,  1, -1])
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(world_size: int | None, total_num_buckets: int, bucket_size: int | None) -> None:
+    if isinstance(total_num_buckets, bool) or not isinstance(total_num_buckets, int) or total_num_buckets < 1:
+        raise ValueError(f"total_num_buckets must be a positive int; got {total_num_buckets!r}")
+    if bucket_size is not None and (
+        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+    ):
+        raise ValueError(f"bucket_size must be a positive int or None (interleaved); got {bucket_size!r}")
+    if world_size is not None and (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, int)
+        or not 1 <= world_size <= total_num_buckets
+    ):
+        raise ValueError(
+            f"world_size must be an int in [1, total_num_buckets={total_num_buckets}]; got {world_size!r}"
+        )
+
+
+def bucket_of(ids: torch.Tensor, *, total_num_buckets: int, bucket_size: int | None = None) -> torch.Tensor:
+    """The bucket of each id (int64, ``-1`` for padding); chunk mode when ``bucket_size`` is given."""
+    _check(None, total_num_buckets, bucket_size)
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    if bucket_size is None:
+        buckets = torch.remainder(ids, total_num_buckets)
+    else:
+        buckets = torch.clamp(torch.div(ids, bucket_size, rounding_mode="floor"), max=total_num_buckets - 1)
+    return torch.where(ids >= 0, buckets, -1)
+
+
+def bucket_range(rank: int, world_size: int, total_num_buckets: int) -> tuple[int, int]:
+    """The buckets ``[first, end)`` rank ``rank`` of ``world_size`` owns."""
+    _check(world_size, total_num_buckets, None)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank!r}")
+    return -(-rank * total_num_buckets // world_size), -(-(rank + 1) * total_num_buckets // world_size)
+
+
+def bucket_owner(
+    ids: torch.Tensor, *, world_size: int, total_num_buckets: int = 1024, bucket_size: int | None = None
+) -> torch.Tensor:
+    """The rank owning each id (int64, ``-1`` for padding): ``bucket * world_size // total_num_buckets``."""
+    _check(world_size, total_num_buckets, bucket_size)
+    buckets = bucket_of(ids, total_num_buckets=total_num_buckets, bucket_size=bucket_size)
+    return torch.where(buckets >= 0, buckets * world_size // total_num_buckets, -1)

@@ -1,0 +1,306 @@
+"""Sharded KV embeddings across 1-3 gloo ranks held to one process trained on the global batch.
+
+Each rank runs the sharded collection on its local batch and, beside it, a plain
+``KVEmbeddingBagCollection`` on the concatenated global batch (rank 0's samples, then
+rank 1's...). Outputs and rows must match: bit for bit for the SGD table (each id at
+most twice per global batch), within 1e-6 for the hashed rowwise-Adagrad table.
+Checkpoints are saved at one world size and loaded at another, in the order
+3 -> 2 -> 1 -> 3, and from a single-process (version 1) checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leanstate import (
+    KeyedJaggedTensor,
+    KVEmbeddingBagCollection,
+    KVTableConfig,
+    ShardedKVEmbeddingBagCollection,
+    ZeroRedundancyOptimizer,
+    load_checkpoint,
+    save_checkpoint,
+)
+from leanstate.reference import sharded_checkpoint
+from tests.reference.test_zero import _free_port, run_world
+
+G = 6  # samples per global batch, split evenly over 1, 2 or 3 ranks
+KEYS = ["f1", "f2", "h"]
+HUGE = [0, 5, 2**40 + 3, 2**62 + 11, 2**63 - 1, 123456789, 2**31, 977]  # hashed ids across int64
+
+
+def configs():
+    return [
+        KVTableConfig("exact", 8, num_embeddings=64, feature_names=["f1", "f2"], lr=0.5, seed=1),
+        KVTableConfig(
+            "hashed", 4, feature_names=["h"], pooling="mean", optimizer="rowwise_adagrad", lr=0.1, seed=2
+        ),
+    ]
+
+
+def samples(step: int) -> list[list[list[int]]]:
+    """The global batch of ``step``, the same at every world size: per key, ``G`` samples of
+    0-2 ids. Ids of the exact table appear at most twice (drawn from a permutation of the
+    id space, repeated once); the hashed table's repeat often, across the int64 range."""
+    generator = torch.Generator().manual_seed(step)
+    permutation = torch.randperm(64, generator=generator).tolist()
+    stream = iter(permutation + permutation)
+    lengths = torch.randint(0, 3, (len(KEYS), G), generator=generator).tolist()
+    picks = iter(torch.randint(0, len(HUGE), (len(KEYS) * G * 2,), generator=generator).tolist())
+    return [
+        [[HUGE[next(picks)] if key == "h" else next(stream) for _ in range(n)] for n in lengths[k]]
+        for k, key in enumerate(KEYS)
+    ]
+
+
+def batch_of(step: int, first: int, count: int) -> KeyedJaggedTensor:
+    """Samples ``[first, first + count)`` of every key of ``step``'s global batch."""
+    per_key = [bags[first : first + count] for bags in samples(step)]
+    values = [i for bags in per_key for bag in bags for i in bag]
+    lengths = [len(bag) for bags in per_key for bag in bags]
+    return KeyedJaggedTensor(KEYS, torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths))
+
+
+def local_batch(step: int, rank: int, world: int) -> KeyedJaggedTensor:
+    return batch_of(step, rank * (G // world), G // world)
+
+
+def global_batch(step: int) -> KeyedJaggedTensor:
+    return batch_of(step, 0, G)
+
+
+def upstream(step: int) -> torch.Tensor:
+    return torch.randn(G, 8 + 8 + 4, generator=torch.Generator().manual_seed(10_000 + step))
+
+
+def train_step(sharded, single, step, rank, world):
+    """One step of both; the outputs for this rank's samples must agree."""
+    b = G // world
+    out = sharded(local_batch(step, rank, world))
+    want = single(global_batch(step))
+    grad = upstream(step)
+    (out.values() * grad[rank * b : (rank + 1) * b]).sum().backward()
+    (want.values() * grad).sum().backward()
+    mine = want.values()[rank * b : (rank + 1) * b].detach()
+    got = out.values().detach()
+    assert torch.equal(got[:, :16], mine[:, :16]), f"step {step}: exact table outputs differ"
+    torch.testing.assert_close(got[:, 16:], mine[:, 16:], rtol=1e-6, atol=1e-6)
+
+
+def assert_rows_match(sharded, single, rank, world):
+    """This rank's rows equal the single process's; over all ranks each row exactly once."""
+    for table in ("exact", "hashed"):
+        mine, full = sharded.embedding_bags[table].store, single.embedding_bags[table].store
+        keys = mine.keys()
+        assert bool((sharded.owner(table, keys) == rank).all()), f"{table}: a row on the wrong rank"
+        rows, want = mine.get_rows(keys), full.get_rows(keys)
+        if table == "exact":
+            assert torch.equal(rows, want), "exact table rows (headers included) differ"
+        else:
+            assert torch.equal(rows[:, :4].view(torch.int64), want[:, :4].view(torch.int64)), "headers differ"
+            torch.testing.assert_close(rows[:, 4:], want[:, 4:], rtol=1e-6, atol=1e-6)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, keys.tolist())
+        union = sorted(k for part in everyone for k in part)
+        assert union == full.keys().tolist(), f"{table}: the ranks' rows are not the saved rows exactly once"
+
+
+def build():
+    return ShardedKVEmbeddingBagCollection(configs(), clock=lambda: 1000), KVEmbeddingBagCollection(
+        configs(), clock=lambda: 1000
+    )
+
+
+# -- scenarios -------------------------------------------------------------------------
+
+
+def train_matches_single(rank, world, folder):
+    sharded, single = build()
+    for step in range(4):
+        train_step(sharded, single, step, rank, world)
+    assert_rows_match(sharded, single, rank, world)
+    assert sharded.embedding_bags["hashed"].optimizer_step == 4
+    totals = torch.tensor([sharded.exchange_stats["bytes"], sharded.exchange_stats["min_bytes"]])
+    dist.all_reduce(totals)
+    assert totals[0] >= totals[1] > 0
+
+
+def beside_zero(rank, world, folder):
+    """Dense parameters on top, trained with leanstate's ZeRO in the same process group."""
+    sharded, single = build()
+    torch.manual_seed(0)
+    dense, dense_single = nn.Linear(20, 3), nn.Linear(20, 3)
+    dense_single.load_state_dict(dense.state_dict())
+    zero = ZeroRedundancyOptimizer(dense.parameters(), torch.optim.SGD, lr=0.05)
+    plain = torch.optim.SGD(dense_single.parameters(), lr=0.05)
+    for step in range(3):
+        dense(sharded(local_batch(step, rank, world)).values()).square().sum().backward()
+        for p in dense.parameters():
+            dist.all_reduce(p.grad)
+        zero.step()
+        zero.zero_grad()
+        dense_single(single(global_batch(step)).values()).square().sum().backward()
+        plain.step()
+        plain.zero_grad()
+    for p, q in zip(dense.parameters(), dense_single.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    for table in ("exact", "hashed"):
+        mine, full = sharded.embedding_bags[table].store, single.embedding_bags[table].store
+        keys = mine.keys()
+        rows, want = mine.get_rows(keys), full.get_rows(keys)
+        assert torch.equal(rows[:, :4].view(torch.int64), want[:, :4].view(torch.int64)), "headers differ"
+        torch.testing.assert_close(rows[:, 4:], want[:, 4:], rtol=1e-6, atol=1e-6)
+
+
+def resume(steps_before: int, load_from: str | None, save_to: str | None, steps_after: int):
+    """Load (if ``load_from``) a checkpoint saved at another world size, check it, train on,
+    save (if ``save_to``); the single process trains straight through from step 0."""
+
+    def scenario(rank, world, folder):
+        sharded, single = build()
+        for step in range(steps_before):
+            if load_from is None:
+                train_step(sharded, single, step, rank, world)
+            else:
+                single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+        if load_from is not None:
+            path = Path(folder, load_from)
+            sharded.load_extra_state(
+                load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+            )
+            assert_rows_match(sharded, single, rank, world)
+            assert sharded.extra_state() == single.extra_state()
+            stats = sharded_checkpoint.last_load_stats
+            manifest = json.loads((path / "manifest.json").read_text())
+            owned, total = 0, 0
+            for name, table in manifest["tables"].items():
+                buckets = sharded.bucketing[name.split(".")[0]][0]
+                for f in table["files"]:
+                    for chunk in f["chunks"]:
+                        size = chunk["rows"] * table["row_bytes"]
+                        total += size
+                        owned += size if chunk["bucket"] * world // buckets == rank else 0
+            assert stats["bytes_read"] == owned, (stats, owned)  # only the owned byte ranges
+            if world > 1:
+                assert owned < total
+        for step in range(steps_before, steps_before + steps_after):
+            train_step(sharded, single, step, rank, world)
+        assert_rows_match(sharded, single, rank, world)
+        if save_to is not None:
+            save_checkpoint(
+                Path(folder, save_to),
+                sharded.checkpoint_tables(),
+                extra=sharded.extra_state(),
+                process_group=dist.group.WORLD,
+                chunk_bytes=4 * 48,  # several chunks per bucket for the wider rows
+            )
+
+    return scenario
+
+
+def load_version_1(rank, world, folder):
+    """A single-process checkpoint loads across ranks; each rank keeps only what it owns."""
+    sharded, single = build()
+    for step in range(2):
+        single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+    path = Path(folder, "v1")
+    if rank == 0:
+        save_checkpoint(path, single.checkpoint_tables(), extra=single.extra_state())
+    dist.barrier()
+    sharded.load_extra_state(
+        load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    )
+    assert_rows_match(sharded, single, rank, world)
+    train_step(sharded, single, 2, rank, world)
+    assert_rows_match(sharded, single, rank, world)
+
+
+def failed_load_changes_nothing(rank, world, folder):
+    """A chunk with a bad CRC on one rank's share fails the load on every rank; nothing stays."""
+    sharded, single = build()
+    path = Path(folder, "bad")
+    if rank == 0:
+        for step in range(2):
+            single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+        save_checkpoint(path, single.checkpoint_tables())
+        file = path / "exact.weight.rows"
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0xFF
+        file.write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(Exception, match="checksum mismatch"):
+        load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    assert all(len(t.store) == 0 for t in sharded.checkpoint_tables().values())
+
+
+SCENARIOS = {
+    "train": train_matches_single,
+    "beside-zero": beside_zero,
+    "save-3": resume(2, None, "w3", 0),
+    "3-to-2": resume(2, "w3", "w2", 1),
+    "2-to-1": resume(3, "w2", "w1", 1),
+    "1-to-3": resume(4, "w1", None, 1),
+    "version-1": load_version_1,
+    "bad-chunk": failed_load_changes_nothing,
+}
+RUNS = [  # in order: each later world loads what an earlier one saved
+    (2, ["train", "beside-zero", "version-1", "bad-chunk"]),
+    (3, ["train", "save-3"]),
+    (2, ["3-to-2"]),
+    (1, ["train", "2-to-1"]),
+    (3, ["1-to-3"]),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    return [(world, run_world(world, folder, __name__, names)) for world, names in RUNS]
+
+
+CASES = [(i, world, name) for i, (world, names) in enumerate(RUNS) for name in names]
+
+
+@pytest.mark.parametrize("index, world, scenario", CASES, ids=[f"world{w}-{n}" for _, w, n in CASES])
+def test_sharded(runs, index, world, scenario):
+    failures = runs[index][1][scenario]
+    assert not failures, "\n".join(failures)
+
+
+TORCHRUN = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from tests.compat.test_sharded_embedding import build, train_step, assert_rows_match
+    dist.init_process_group("gloo")  # env:// from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharded, single = build()
+    for step in range(2):
+        train_step(sharded, single, step, rank, world)
+    assert_rows_match(sharded, single, rank, world)
+    print(f"rank {rank} of {world} ok", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchrun_launch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2 ok" in result.stdout and "rank 1 of 2 ok" in result.stdout
