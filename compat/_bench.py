@@ -353,6 +353,59 @@ def zero_comparison(world: int = 2, steps: int = 10) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim: int, ids: int) -> None:
+    """One rank of the sharded benchmark: step times, and the bytes it sent against the minimum."""
+    import statistics
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = leanstate.KVTableConfig("t", dim, num_embeddings=10_000_000, optimizer="rowwise_adagrad")
+    ebc = leanstate.ShardedKVEmbeddingBagCollection([config])
+    generator = torch.Generator().manual_seed(rank)
+    per_bag = 8
+    times = []
+    for step in range(steps + 2):
+        batch = leanstate.KeyedJaggedTensor(
+            ["t"], torch.randint(0, 10_000_000, (ids,), generator=generator),
+            lengths=torch.full((ids // per_bag,), per_bag),
+        )  # fmt: skip
+        if step == 2:
+            ebc.exchange_stats.update(bytes=0, min_bytes=0)
+        dist.barrier()
+        start = time.perf_counter()
+        ebc(batch).values().sum().backward()
+        dist.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    totals = torch.tensor([ebc.exchange_stats["bytes"], ebc.exchange_stats["min_bytes"]])
+    dist.all_reduce(totals)
+    if rank == 0:
+        result = {"step": statistics.median(times), "bytes": int(totals[0]), "min_bytes": int(totals[1])}
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_384) -> dict:
+    """Spawn ``world`` gloo ranks stepping a sharded table (``ids`` lookups per rank per step);
+    the median step time and the bytes exchanged against the minimum, summed over ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "sharded.json")
+        mp.start_processes(
+            _sharded_worker, args=(world, port, out, steps, dim, ids), nprocs=world, start_method="spawn"
+        )
+        return json.loads(Path(out).read_text())
+
+
 # Targets: throughput of leanstate / throughput of the peer (1.0 = as fast), or for
 # memory the plain ratio of the two figures; None: reported, no target.
 TARGETS = {
@@ -573,5 +626,29 @@ def report(
         time=False,
         name="reference",
     )
+    single = sharded_comparison(1)
+    for world in (1, 2, 3):
+        run = single if world == 1 else sharded_comparison(world)
+        add(
+            "sharded",
+            f"lookups+updates/s, {world} rank(s) x 16384",
+            world * 16_384 / run["step"],
+            "1 rank",
+            16_384 / single["step"],
+            None,
+            time=False,
+            name=leanstate.backend_info().chosen["embedding"],
+        )
+        if world > 1:
+            add(
+                "sharded",
+                f"bytes exchanged / minimum, {world} ranks",
+                run["bytes"],
+                "distinct ids x (row + grad)",
+                run["min_bytes"],
+                ("<=", 1.1),
+                time=False,
+                name=leanstate.backend_info().chosen["embedding"],
+            )
     columns = ["component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "target", "met"]
     return pd.DataFrame(lines, columns=columns)

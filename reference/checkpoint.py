@@ -446,6 +446,12 @@ def _manifest_problem(manifest: object) -> str | None:
         return "the manifest must be a JSON object"
     if manifest.get("format") != FORMAT_NAME:
         return f"format {manifest.get('format')!r} is not {FORMAT_NAME!r}"
+    if manifest.get("version") == 2:
+        return (
+            "format version 2 was saved across ranks (bucket-major, one file per rank): load it with "
+            "load_checkpoint(path, module.checkpoint_tables(), process_group=...) on every rank of a "
+            "process group (one rank is fine)"
+        )
     if manifest.get("version") != FORMAT_VERSION:
         return (
             f"format version {manifest.get('version')!r} is not supported "

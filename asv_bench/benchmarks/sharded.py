@@ -1,0 +1,30 @@
+"""Sharded KV embeddings at 1, 2 and 3 gloo ranks on 127.0.0.1 (one table, D=64, rowwise
+Adagrad, 16,384 lookups per rank per step).
+
+Tracked as costs (smaller is better): seconds per million lookups+updates at each world
+size, and the bytes exchanged per step over the minimum (distinct ids x (weight row +
+float32 gradient row)), target <= 1.1.
+"""
+
+from leanstate._bench import sharded_comparison
+
+
+class ShardedEmbedding:
+    timeout = 900
+    params = [1, 2, 3]
+    param_names = ["world"]
+
+    def setup_cache(self):
+        return {world: sharded_comparison(world) for world in self.params}
+
+    def track_seconds_per_million_lookups(self, results, world):
+        """Step time per million lookups+updates over all ranks."""
+        return results[world]["step"] / (world * 16_384) * 1e6
+
+    track_seconds_per_million_lookups.unit = "seconds"
+
+    def track_bytes_over_minimum(self, results, world):
+        """Bytes every rank sent, over the minimum (target <= 1.1)."""
+        return results[world]["bytes"] / results[world]["min_bytes"]
+
+    track_bytes_over_minimum.unit = "ratio"
