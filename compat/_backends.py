@@ -24,10 +24,12 @@ _IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "kv_store": {
         "reference": "leanstate.reference.kv_store",
         "numba": "leanstate.accelerated.numba_kv_store",
+        "torch": "leanstate.accelerated.torch_kv_store",
     },
     "embedding": {
         "reference": "leanstate.reference.embedding",
         "numba": "leanstate.accelerated.numba_embedding",
+        "torch": "leanstate.accelerated.torch_embedding",
     },
     "checkpoint": {
         "reference": "leanstate.reference.checkpoint",

@@ -29,7 +29,7 @@ INFO = "import leanstate; i = leanstate.backend_info(); print(i.chosen['kv_store
         ("reference", "reference"),
         ("numba", "numba"),
         ("numba-cuda", "numba"),
-        ("torch", "numba"),
+        ("torch", "torch"),
         ("bogus", "numba"),
         ("", "numba"),
     ],

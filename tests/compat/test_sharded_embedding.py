@@ -288,6 +288,7 @@ TORCHRUN = textwrap.dedent(
         train_step(sharded, single, step, rank, world)
     assert_rows_match(sharded, single, rank, world)
     print(f"rank {rank} of {world} ok", flush=True)
+    dist.barrier()  # no rank tears the group down while another still reads from it
     dist.destroy_process_group()
     """
 )

@@ -1,0 +1,344 @@
+"""The ``torch`` KV store engine: torch tensor ops only, on whatever device holds its tensors.
+
+Same interface and bits as ``leanstate.reference.kv_store.KVStoreEngine``
+(``spec/backends.md``), written independently of it: one open-addressing table (linear
+probing from ``splitmix64(id)``, int64 keys and blocks, ``-1`` empty, ``-2`` a
+tombstone, rebuilt past half full) and one pool tensor of rows that grows by an eighth when full,
+with a last-in-first-out free list. Every batch is a fixed sequence of vectorised ops;
+the only loops run over probe steps, never over ids:
+
+- lookup: all ids probe together, one step per iteration, until each meets its key or
+  an empty slot;
+- insert of a batch of distinct new ids: all ids bid for their current slot; among the
+  bidders for a free slot the smallest id wins (``scatter_reduce(amin)``), the others
+  move one slot on and bid again, so the table is the same for any thread order;
+- gather and scatter are ``index_select`` / ``index_copy_`` on the pool.
+
+The initial rows are computed with the reference's hash restated in int64 arithmetic
+(it wraps modulo 2**64 as uint64 does; right shifts are made logical by masking).
+A lock makes each call atomic, so concurrent threads are safe.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from leanstate.reference.hashing import _GOLDEN, _MIX1, _MIX2, INIT_BITS, MASK64
+from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
+
+_EMPTY, _TOMBSTONE = -1, -2
+_USED = torch.iinfo(torch.int64).min
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    value &= MASK64
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (``>>`` on int64 extends the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function on int64 bit patterns (wrapping add and multiply)."""
+    z = x + _signed(_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+class KVStoreEngine:
+    """The torch store engine (``spec/backends.md``): one hash table and one row pool.
+
+    Args:
+        layout: the row layout.
+        num_shards: recorded only: one vectorised call already covers every id.
+        init_range: (low, high) of the initial weights.
+        seed: seed of the initial weights.
+        device: where the table and the rows live (default the CPU).
+    """
+
+    backend = "torch"
+
+    def __init__(
+        self,
+        layout: RowLayout,
+        *,
+        num_shards: int,
+        init_range: tuple[float, float],
+        seed: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.layout, self.num_shards, self.init_range, self.seed = layout, num_shards, init_range, seed
+        self.device = torch.device(device or "cpu")
+        self.lock = threading.RLock()
+        self._table_keys = torch.full((1024,), _EMPTY, dtype=torch.int64, device=self.device)
+        self._table_blocks = torch.full((1024,), -1, dtype=torch.int64, device=self.device)
+        self._tombstones = 0
+        self.pool = torch.zeros(1024, layout.width, dtype=layout.dtype, device=self.device)
+        self._handed_out = 0
+        self._free = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._rows = 0
+        self._seeded = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64, device=self.device))
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def memory_bytes(self) -> int:
+        """The pool, the table and the free list, in bytes."""
+        tensors = (self.pool, self._table_keys, self._table_blocks, self._free)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more rows in the pool and the table now."""
+        with self.lock:
+            self._grow_pool(self._handed_out + max(0, rows - len(self._free)))
+            self._fit_table(self._rows + rows)
+
+    # -- the table ---------------------------------------------------------------------
+
+    def _home(self, keys: torch.Tensor, capacity: int) -> torch.Tensor:
+        return _splitmix64(keys) & (capacity - 1)
+
+    def _probe(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot or -1, block or -1) of each non-negative key."""
+        capacity = len(self._table_keys)
+        slots = torch.full_like(keys, -1)
+        blocks = torch.full_like(keys, -1)
+        active = torch.arange(len(keys), device=self.device)
+        position = self._home(keys, capacity)
+        for _ in range(capacity):
+            if len(active) == 0:
+                break
+            found = self._table_keys[position]
+            hit = found == keys[active]
+            slots[active[hit]] = position[hit]
+            blocks[active[hit]] = self._table_blocks[position[hit]]
+            going = ~hit & (found != _EMPTY)
+            active, position = active[going], (position[going] + 1) & (capacity - 1)
+        return slots, blocks
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block of each id, -1 when absent or negative."""
+        blocks = torch.full_like(ids, -1)
+        valid = torch.nonzero(ids >= 0).flatten()
+        if len(valid):
+            blocks[valid] = self._probe(ids[valid])[1]
+        return blocks
+
+    def _place(self, keys: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Put distinct absent ``keys`` in the table: smallest key wins each contested slot."""
+        capacity = len(self._table_keys)
+        position = self._home(keys, capacity)
+        while len(keys):
+            free = torch.nonzero(self._table_keys[position] < 0).flatten()  # empty or tombstone
+            contested, bidder = torch.unique(position[free], return_inverse=True)
+            best = torch.full((len(contested),), _INT64_MAX, dtype=torch.int64, device=self.device)
+            best.scatter_reduce_(0, bidder, keys[free], reduce="amin")
+            won = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
+            won[free] = keys[free] == best[bidder]
+            reused = self._table_keys[position[won]] == _TOMBSTONE
+            self._tombstones -= int(reused.sum())
+            self._table_keys[position[won]] = keys[won]
+            self._table_blocks[position[won]] = blocks[won]
+            keys, blocks = keys[~won], blocks[~won]
+            position = (position[~won] + 1) & (capacity - 1)
+
+    def _fit_table(self, rows: int) -> None:
+        """Rebuild the table, larger if needed, when rows and tombstones would pass half of it."""
+        capacity = len(self._table_keys)
+        if 2 * (rows + self._tombstones) <= capacity:
+            return
+        while 2 * rows > capacity:
+            capacity *= 2
+        live = self._table_keys >= 0
+        keys, blocks = self._table_keys[live], self._table_blocks[live]
+        self._table_keys = torch.full((capacity,), _EMPTY, dtype=torch.int64, device=self.device)
+        self._table_blocks = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._tombstones = 0
+        self._place(keys, blocks)
+
+    # -- the pool --------------------------------------------------------------------
+
+    def _grow_pool(self, rows: int) -> None:
+        if rows <= len(self.pool):
+            return
+        # One-eighth steps, in whole 1024-row chunks: at most 1/8 of the pool sits unused
+        # (the memory target is 1.1x the row bytes), and each row is copied ~8 times at most.
+        size = max(rows, len(self.pool) + len(self.pool) // 8)
+        size = -(-size // 1024) * 1024
+        grown = torch.zeros(size, self.layout.width, dtype=self.layout.dtype, device=self.device)
+        grown[: len(self.pool)] = self.pool
+        self.pool = grown
+
+    def _allocate(self, n: int) -> torch.Tensor:
+        """``n`` blocks: freed ones first (the last freed first), then fresh ones."""
+        reused = self._free[len(self._free) - min(n, len(self._free)) :].flip(0)
+        self._free = self._free[: len(self._free) - len(reused)]
+        fresh = n - len(reused)
+        self._grow_pool(self._handed_out + fresh)
+        new = torch.arange(self._handed_out, self._handed_out + fresh, dtype=torch.int64, device=self.device)
+        self._handed_out += fresh
+        return torch.cat([reused, new])
+
+    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
+        """Blocks for distinct absent keys, holding their initial rows."""
+        self._fit_table(self._rows + len(keys))
+        blocks = self._allocate(len(keys))
+        self._place(keys, blocks)
+        self._rows += len(keys)
+        self.pool.index_copy_(0, blocks, self.initial_rows(keys))
+        return blocks
+
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
+        layout = self.layout
+        low, high = (torch.tensor(x, dtype=torch.float32) for x in self.init_range)
+        per_key = _splitmix64(ids ^ self._seeded)
+        columns = torch.arange(layout.dim, dtype=torch.int64, device=self.device)
+        bits = _splitmix64(per_key[:, None] ^ columns[None, :])
+        u = _shift_right(bits, 64 - INIT_BITS).to(torch.float32) / 2**INIT_BITS
+        rows = torch.zeros(len(ids), layout.width, dtype=layout.dtype, device=self.device)
+        weights = u * (high - low).to(self.device) + low.to(self.device)
+        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = weights.to(layout.dtype)
+        header_words(rows)[:, 0] = ids
+        return rows
+
+    # -- reads -----------------------------------------------------------------------
+
+    def gather(
+        self, ids: torch.Tensor, *, start: int, width: int, initial: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Columns ``[start, start + width)``; a missing id its initial row or zeros, a negative one zeros."""
+        ids = ids.to(self.device)
+        with self.lock:
+            blocks = self._lookup(ids)
+            result = torch.zeros(len(ids), width, dtype=self.layout.dtype, device=self.device)
+            present = torch.nonzero(blocks >= 0).flatten()
+            result[present] = self.pool.index_select(0, blocks[present])[:, start : start + width]
+        if initial:
+            missing = torch.nonzero((blocks < 0) & (ids >= 0)).flatten()
+            if len(missing):
+                result[missing] = self.initial_rows(ids[missing])[:, start : start + width]
+        return result if out is None else out.copy_(result)
+
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which ids have a row."""
+        with self.lock:
+            return self._lookup(ids.to(self.device)) >= 0
+
+    def metadata(self, ids: torch.Tensor) -> torch.Tensor:
+        """Eviction metadata word of each id (0 when missing)."""
+        with self.lock:
+            blocks = self._lookup(ids.to(self.device))
+            out = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
+            present = torch.nonzero(blocks >= 0).flatten()
+            out[present] = header_words(self.pool.index_select(0, blocks[present]))[:, 1]
+            return out
+
+    def keys(self) -> torch.Tensor:
+        """Every id, ascending."""
+        with self.lock:
+            return torch.sort(self._table_keys[self._table_keys >= 0]).values
+
+    # -- writes ----------------------------------------------------------------------
+
+    @staticmethod
+    def _last(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(distinct keys ascending, position of each one's last occurrence, occurrences)."""
+        unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        last = torch.full((len(unique),), -1, dtype=torch.int64, device=keys.device)
+        last.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amax")
+        return unique, last, counts
+
+    def _blocks_for(self, unique: torch.Tensor) -> torch.Tensor:
+        """Blocks of distinct non-negative ids, inserting the absent ones."""
+        blocks = self._lookup(unique)
+        missing = torch.nonzero(blocks < 0).flatten()
+        if len(missing):
+            blocks[missing] = self._insert(unique[missing])
+        return blocks
+
+    def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
+        """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``."""
+        ids, values = ids.to(self.device), values.to(self.device)
+        kept = torch.nonzero(ids >= 0).flatten()
+        unique, last, occurrences = self._last(ids[kept])
+        with self.lock:
+            blocks = self._blocks_for(unique)
+            rows = self.pool.index_select(0, blocks)
+            rows[:, start : start + values.shape[1]] = values[kept[last]]
+            header = header_words(rows)
+            _, count, _ = unpack_metadata(header[:, 1])
+            count = torch.clamp(count + occurrences, max=COUNT_MAX)
+            header[:, 1] = pack_metadata(
+                torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool)
+            )
+            self.pool.index_copy_(0, blocks, rows)
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
+        rows = rows.to(self.device)
+        unique, last, _ = self._last(header_words(rows)[:, 0])
+        with self.lock:
+            blocks = self._blocks_for(unique)
+            chosen = rows.index_select(0, last)  # a copy: the caller's rows stay as they were
+            header_words(chosen)[:, 1] |= _USED
+            self.pool.index_copy_(0, blocks, chosen)
+
+    def _remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Delete distinct non-negative keys: zero and free their blocks; the keys removed."""
+        slots, blocks = self._probe(keys)
+        present = torch.nonzero(blocks >= 0).flatten()
+        slots, blocks = slots[present], blocks[present]
+        self.pool.index_fill_(0, blocks, 0)
+        self._table_keys[slots] = _TOMBSTONE
+        self._tombstones += len(slots)
+        self._rows -= len(slots)
+        self._free = torch.cat([self._free, blocks])
+        return keys[present]
+
+    def delete(self, ids: torch.Tensor) -> int:
+        """Remove ids (missing and negative ones ignored); the count removed."""
+        unique = torch.unique(ids.to(self.device))
+        with self.lock:
+            return len(self._remove(unique[unique >= 0]))
+
+    def evict(
+        self,
+        *,
+        min_count: int | None,
+        max_age_s: int | None,
+        min_l2_norm: float | None,
+        max_rows: int | None,
+        now: int,
+    ) -> torch.Tensor:
+        """Decide and delete under the lock; the evicted ids, ascending."""
+        layout = self.layout
+        with self.lock:
+            keys = torch.sort(self._table_keys[self._table_keys >= 0]).values
+            rows = self.pool.index_select(0, self._probe(keys)[1])
+            stamp, count, _ = unpack_metadata(header_words(rows)[:, 1])
+            doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
+            if min_count is not None:
+                doomed |= count < min_count
+            if max_age_s is not None:
+                doomed |= (now - stamp) > max_age_s
+            if min_l2_norm is not None:
+                weights = rows[:, layout.weight_offset : layout.weight_offset + layout.dim]
+                doomed |= torch.linalg.vector_norm(weights.float(), dim=1) < min_l2_norm
+            if max_rows is not None:
+                survivors = torch.nonzero(~doomed).flatten()
+                excess = len(survivors) - max_rows
+                if excess > 0:  # fewest writes, then oldest, then smallest id (keys ascend)
+                    by_stamp = survivors[torch.argsort(stamp[survivors], stable=True)]
+                    ranked = by_stamp[torch.argsort(count[by_stamp], stable=True)]
+                    doomed[ranked[:excess]] = True
+            victims = keys[doomed]
+            self._remove(victims)
+            return victims
