@@ -61,16 +61,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_sharded(path: str, manifest: dict) -> int:
+    """``inspect`` of a checkpoint saved across ranks (format version 2)."""
+    from leanstate.reference.checkpoint import CheckpointError
+    from leanstate.reference.sharded_checkpoint import verify_sharded
+
+    print(f"  saved by {manifest['world_size']} ranks")
+    for name, t in manifest["tables"].items():
+        b = t["bucketing"]
+        print(
+            f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "
+            f"state {t['optimizer_state_dim']}), {b['buckets']} buckets of size {b['bucket_size'] or 'mod'}"
+        )
+        for f in t["files"]:
+            print(f"    {f['file']} (rank {f['rank']}): {f['bytes']} bytes in {len(f['chunks'])} chunks")
+    if manifest["extra"]:
+        print(f"  extra state: {manifest['extra']}")
+    try:
+        checked = sum(1 for _ in verify_sharded(path))
+    except (OSError, CheckpointError) as exc:
+        print(f"BAD: {exc}")
+        return 1
+    print(f"OK: {checked} chunks verified" + (", extra state verified" if manifest["extra"] else ""))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     """Print the manifest of a checkpoint and verify every chunk and the extra state; BAD names the fault."""
-    from leanstate.reference.checkpoint import CheckpointError, read_manifest, verify_checkpoint
+    from leanstate.reference.checkpoint import CheckpointError, verify_checkpoint
+    from leanstate.reference.sharded_checkpoint import _read_manifest
 
     try:
-        manifest = read_manifest(args.path)
+        manifest = _read_manifest(Path(args.path))
     except (OSError, CheckpointError) as exc:
         print(f"BAD: {exc}")
         return 1
     print(f"{args.path}: {manifest['format']} version {manifest['version']}")
+    if manifest["version"] == 2:
+        return _inspect_sharded(args.path, manifest)
     for name, t in manifest["tables"].items():
         print(
             f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "

@@ -348,32 +348,56 @@ def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> No
         )
 
 
+def _read_chunk(handle, file: Path, index: int, chunk: dict, saved: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk ``index`` of ``file`` as rows, its size, CRC and (version 2) bucket checked."""
+    layout = RowLayout(saved["dim"], saved["optimizer_state_dim"], dtype)
+    where = f"{file} chunk {index}"
+    handle.seek(chunk["offset"])
+    size = chunk["rows"] * layout.row_bytes
+    data = handle.read(size)
+    if len(data) != size:
+        raise v1.CheckpointError(f"{where}: truncated ({len(data)} of {size} bytes)")
+    if v1._CHECKSUMS[saved.get("checksum", "crc32")](data, 0) != chunk["crc"]:
+        raise v1.CheckpointError(f"{where}: checksum mismatch")
+    rows = torch.frombuffer(bytearray(data), dtype=dtype).view(chunk["rows"], layout.width)
+    if "bucket" in chunk:
+        bucketing = saved["bucketing"]
+        buckets = bucket_of(
+            header_words(rows)[:, 0],
+            total_num_buckets=bucketing["buckets"],
+            bucket_size=bucketing["bucket_size"],
+        )
+        if not bool((buckets == chunk["bucket"]).all()):
+            raise v1.CheckpointError(f"{where}: holds ids outside bucket {chunk['bucket']}")
+    return rows
+
+
 def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stats, *, apply: bool) -> None:
-    layout = RowLayout(saved["dim"], saved["optimizer_state_dim"], table.store.layout.dtype)
-    check = v1._CHECKSUMS[saved.get("checksum", "crc32")]
-    by_bucket = "files" in saved
     for f in _files_of(saved):
         file = path / f["file"]
         with open(file, "rb") as handle:
             for i, chunk in enumerate(f["chunks"]):
-                if by_bucket and chunk["bucket"] * world // table.buckets != rank:
+                if "bucket" in chunk and chunk["bucket"] * world // table.buckets != rank:
                     continue  # another rank's bucket: not even read
-                handle.seek(chunk["offset"])
-                size = chunk["rows"] * layout.row_bytes
-                data = handle.read(size)
-                stats["bytes_read"] += len(data)
+                rows = _read_chunk(handle, file, i, chunk, saved, table.store.layout.dtype)
+                stats["bytes_read"] += rows.numel() * rows.element_size()
                 stats["chunks_read"] += 1
-                where = f"{file} chunk {i}"
-                if len(data) != size:
-                    raise v1.CheckpointError(f"{where}: truncated ({len(data)} of {size} bytes)")
-                if check(data, 0) != chunk["crc"]:
-                    raise v1.CheckpointError(f"{where}: checksum mismatch")
-                rows = torch.frombuffer(bytearray(data), dtype=layout.dtype).view(chunk["rows"], layout.width)
-                keys = header_words(rows)[:, 0]
-                if by_bucket and not bool((table.bucket(keys) == chunk["bucket"]).all()):
-                    raise v1.CheckpointError(f"{where}: holds ids outside bucket {chunk['bucket']}")
                 if apply:
-                    mine = table.owner(keys, world) == rank
-                    rows = rows[mine]
+                    rows = rows[table.owner(header_words(rows)[:, 0], world) == rank]
                     table.store.set_rows(rows)
                     stats["rows_loaded"] += len(rows)
+
+
+def verify_sharded(path: str | os.PathLike):
+    """Check every chunk of every rank's files of a version-2 checkpoint, then the extra
+    state; yield (table, file, chunk) as each passes. Raises ``CheckpointError`` at the first bad one."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name, saved in manifest["tables"].items():
+        dtype = v1._DTYPES[saved["dtype"]]
+        for f in _files_of(saved):
+            with open(path / f["file"], "rb") as handle:
+                for i, chunk in enumerate(f["chunks"]):
+                    _read_chunk(handle, path / f["file"], i, chunk, saved, dtype)
+                    yield name, f["file"], i
+    v1._read_extra(path, manifest)

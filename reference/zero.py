@@ -92,7 +92,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition: list[list[dict]] = self._partition_groups()
         self.optim: Optimizer = optimizer_class(self._partition[self.rank], **defaults)
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._trainable_mask = self._agreed_mask()
+        self._trainable_mask = self._agree_on_mask()()
         self._buckets: dict[torch.device, list[torch.Tensor]] = {}
         self._build_buckets()
         self._gathered: list[dict] | None = None
@@ -124,19 +124,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _mask(self) -> list[bool]:
         return [_trainable(p) for p in self._all_params]
 
-    def _agreed_mask(self) -> list[bool]:
-        """Which parameters go in buckets: those trainable on every rank.
+    def _agree_on_mask(self) -> Callable[[], list[bool]]:
+        """Start agreeing on which parameters go in buckets: those trainable on every rank.
 
         The bucket layout must be the same on every rank, so with bucket views the local
         masks are combined with one all-reduce (a parameter frozen on one rank only is
-        left out of the buckets and broadcast on its own, as a frozen one is).
+        left out of the buckets and broadcast on its own, as a frozen one is). The
+        all-reduce runs in the background; the returned function waits for it and gives
+        the agreed mask.
         """
         mask = self._mask()
         if not self.parameters_as_bucket_view:
-            return mask
+            return lambda: mask
         agreed = torch.tensor(mask, dtype=torch.int32, device=self.join_device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.process_group)
-        return [bool(x) for x in agreed.tolist()]
+        work = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
+
+        def result() -> list[bool]:
+            work.wait()
+            return [bool(x) for x in agreed.tolist()]
+
+        return result
 
     def _partition_groups(self) -> list[list[dict]]:
         """Per rank, its param groups: each group's params, largest first, greedily."""
@@ -230,13 +237,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then broadcast every shard. Call on every rank."""
         Join.notify_join_context(self)
-        mask = self._agreed_mask()
-        if mask != self._trainable_mask:
-            self._trainable_mask = mask
-            self._build_buckets()
+        agreed = self._agree_on_mask()  # overlaps the local step
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
+        mask = agreed()
+        if mask != self._trainable_mask:  # rebuilt after the step: the buckets take the new values
+            self._trainable_mask = mask
+            self._build_buckets()
         self._broadcast()
         return loss
 
@@ -263,7 +271,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         self._partition = self._partition_groups()
         self.optim.add_param_group(self._partition[self.rank][-1])
-        self._trainable_mask = self._agreed_mask()
+        self._trainable_mask = self._agree_on_mask()()
         self._build_buckets()
 
     # -- clipping ---------------------------------------------------------------------

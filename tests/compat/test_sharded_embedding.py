@@ -263,8 +263,12 @@ RUNS = [  # in order: each later world loads what an earlier one saved
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sharded")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("sharded")
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
     return [(world, run_world(world, folder, __name__, names)) for world, names in RUNS]
 
 
@@ -275,6 +279,22 @@ CASES = [(i, world, name) for i, (world, names) in enumerate(RUNS) for name in n
 def test_sharded(runs, index, world, scenario):
     failures = runs[index][1][scenario]
     assert not failures, "\n".join(failures)
+
+
+def test_inspect_verifies_every_ranks_files(runs, folder, capsys):
+    from leanstate.__main__ import main
+
+    assert main(["inspect", str(folder / "w3")]) == 0
+    out = capsys.readouterr().out
+    assert "version 2" in out and "saved by 3 ranks" in out and "exact.weight.rank2.rows (rank 2)" in out
+    assert "OK: " in out and "extra state verified" in out
+    file = folder / "w3" / "exact.weight.rank1.rows"
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0x40
+    file.write_bytes(bytes(data))
+    assert main(["inspect", str(folder / "w3")]) == 1
+    bad = capsys.readouterr().out
+    assert "BAD: " in bad and "exact.weight.rank1.rows chunk" in bad and "checksum mismatch" in bad
 
 
 TORCHRUN = textwrap.dedent(
