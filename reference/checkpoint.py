@@ -263,29 +263,8 @@ def _save(
                 target.store, staging / f"{name}.rows", chunk_bytes, progress, name
             )
         if extra_bytes is not None:
-            with open(staging / EXTRA_FILE, "wb") as f:
-                f.write(extra_bytes)
-                f.flush()
-                os.fsync(f.fileno())
-            manifest["extra"] = {
-                "file": EXTRA_FILE,
-                "bytes": len(extra_bytes),
-                "crc": crc32c.crc32c(extra_bytes),
-            }
-        with open(staging / MANIFEST, "w") as f:  # last: its presence marks a complete save
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(staging)
-        if path.exists():
-            os.rename(path, previous)
-        try:
-            os.rename(staging, path)
-        except BaseException:
-            if previous.exists():
-                os.rename(previous, path)
-            raise
-        _fsync_dir(path.parent)
+            manifest["extra"] = _write_extra(staging, extra_bytes)
+        _publish(staging, manifest, path, previous)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -296,6 +275,34 @@ def _save(
     for old in path.parent.glob(f".{path.name}.previous-*"):
         _remove_checkpoint(old)
     return path
+
+
+def _write_extra(staging: Path, extra_bytes: bytes) -> dict:
+    """Write the serialised extra state, fsynced; its manifest entry."""
+    with open(staging / EXTRA_FILE, "wb") as f:
+        f.write(extra_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": EXTRA_FILE, "bytes": len(extra_bytes), "crc": crc32c.crc32c(extra_bytes)}
+
+
+def _publish(staging: Path, manifest: dict, path: Path, previous: Path) -> None:
+    """Write the manifest last (its presence marks a complete save), fsync, and rename
+    ``staging`` to ``path``; the old checkpoint waits at ``previous`` until then."""
+    with open(staging / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(staging)
+    if path.exists():
+        os.rename(path, previous)
+    try:
+        os.rename(staging, path)
+    except BaseException:
+        if previous.exists():
+            os.rename(previous, path)
+        raise
+    _fsync_dir(path.parent)
 
 
 def _extra_bytes(extra: object, method: str) -> bytes:

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import crc32c
 import torch
 import torch.distributed as dist
 
@@ -189,30 +188,9 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
             "files": files,
         }
     if extra_bytes is not None:
-        with open(staging / v1.EXTRA_FILE, "wb") as f:
-            f.write(extra_bytes)
-            f.flush()
-            os.fsync(f.fileno())
-        manifest["extra"] = {
-            "file": v1.EXTRA_FILE,
-            "bytes": len(extra_bytes),
-            "crc": crc32c.crc32c(extra_bytes),
-        }
-    with open(staging / v1.MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    v1._fsync_dir(staging)
+        manifest["extra"] = v1._write_extra(staging, extra_bytes)
     previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
-    if path.exists():
-        os.rename(path, previous)
-    try:
-        os.rename(staging, path)
-    except BaseException:
-        if previous.exists():
-            os.rename(previous, path)
-        raise
-    v1._fsync_dir(path.parent)
+    v1._publish(staging, manifest, path, previous)
     if previous.exists():
         v1._remove_checkpoint(previous)
 
