@@ -118,6 +118,9 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
+        # The exchange runs where the group's backend moves data: NCCL moves CUDA tensors only.
+        nccl = dist.get_backend(self.process_group) == "nccl"
+        self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.embedding_bags = _Tables({c.name: c._build(clock=clock, backend=backend) for c in configs})
         self._table_features = {c.name: c.feature_names for c in configs}
         # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
@@ -198,16 +201,16 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor
     ) -> torch.Tensor:
         """Rows ``send`` (grouped by destination rank) to their ranks; what this rank receives."""
-        received = torch.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype)
+        received = torch.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype, device=self._wire)
         dist.all_to_all_single(
             received,
-            send.contiguous(),
+            send.to(self._wire).contiguous(),
             output_split_sizes=recv_counts.tolist(),
             input_split_sizes=send_counts.tolist(),
             group=self.process_group,
         )
         self.exchange_stats["bytes"] += send.numel() * send.element_size()
-        return received
+        return received.cpu()
 
     def _fetch(self, table: str, unique: torch.Tensor) -> tuple[torch.Tensor, _Plan]:
         """The weights of the distinct ids ``unique`` [U, D] (row dtype), from their owners."""
