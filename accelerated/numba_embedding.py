@@ -20,6 +20,7 @@ from numba import njit, prange
 
 from leanstate.accelerated.numba_kv_store import KVStoreEngine, lookup
 from leanstate.reference.embedding import EmbeddingEngine as ReferenceEngine
+from leanstate.reference.embedding import pool_rows
 from leanstate.reference.row_format import COUNT_MAX
 
 _SGD, _ADAGRAD, _ADAM = 0, 1, 2
@@ -78,6 +79,31 @@ def _positions_by_id(inverse, unique_count, offsets):
 
 
 @njit(nogil=True, cache=True)
+def _sum_gradient(g, u, starts, positions, bag_of, offsets, scales, mean, grad_output):
+    """``g``: distinct id ``u``'s gradient, its positions' contributions summed in order from zero."""
+    dim = grad_output.shape[1]
+    for c in range(dim):
+        g[c] = 0.0
+    for k in range(starts[u], starts[u + 1]):
+        p = positions[k]
+        bag = bag_of[p]
+        length = np.float32(max(offsets[bag + 1] - offsets[bag], 1))
+        for c in range(dim):
+            contribution = grad_output[bag, c] / length if mean else grad_output[bag, c]
+            if scales.shape[0] > 0:
+                contribution = contribution * scales[p]
+            g[c] = g[c] + contribution
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _row_gradients(inverse, offsets, scales, mean, grad_output, grad):
+    """Every distinct id's gradient into ``grad`` [U, D], as the update kernel sums it."""
+    starts, positions, bag_of = _positions_by_id(inverse, grad.shape[0], offsets)
+    for u in prange(grad.shape[0]):
+        _sum_gradient(grad[u], u, starts, positions, bag_of, offsets, scales, mean, grad_output)
+
+
+@njit(nogil=True, cache=True)
 def _stamp(words, block, now):
     meta = words[block, 1]
     count = min(((meta >> 32) & _COUNT_MAX) + 1, _COUNT_MAX)
@@ -117,17 +143,7 @@ def _update(
     starts, positions, bag_of = _positions_by_id(inverse, blocks.shape[0], offsets)
     for u in prange(blocks.shape[0]):
         g = grad[u]
-        for c in range(dim):
-            g[c] = 0.0
-        for k in range(starts[u], starts[u + 1]):
-            p = positions[k]
-            bag = bag_of[p]
-            length = np.float32(max(offsets[bag + 1] - offsets[bag], 1))
-            for c in range(dim):
-                contribution = grad_output[bag, c] / length if mean else grad_output[bag, c]
-                if scales.shape[0] > 0:
-                    contribution = contribution * scales[p]
-                g[c] = g[c] + contribution
+        _sum_gradient(g, u, starts, positions, bag_of, offsets, scales, mean, grad_output)
         w = rows[blocks[u], start : start + dim]
         st = state_rows[state_blocks[u], state_start:]
         if weight_decay != 0.0:
@@ -189,6 +205,36 @@ class EmbeddingEngine:
         if per_sample_weights is None:
             return np.empty(0, dtype=np.float32)
         return per_sample_weights.contiguous().numpy()
+
+    def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
+        """``reference.embedding.pool_rows`` on given rows [U, D] (e.g. rows received from owners)."""
+        if self._generic is not None or rows.dtype != torch.float32:
+            return pool_rows(rows, inverse, offsets, per_sample_weights, mean)
+        out = torch.empty(len(offsets) - 1, rows.shape[1])
+        _pool(
+            rows.contiguous().numpy(),
+            np.arange(len(rows), dtype=np.int64),
+            np.empty((0, rows.shape[1]), dtype=np.float32),
+            np.full(len(rows), -1, dtype=np.int64),
+            0,
+            inverse.numpy(),
+            offsets.numpy(),
+            self._scales(per_sample_weights),
+            mean,
+            out.numpy(),
+        )
+        return out
+
+    def row_gradients(
+        self, unique_count, inverse, offsets, per_sample_weights, mean, grad_output
+    ) -> torch.Tensor:
+        """``reference.embedding.row_gradients``: each distinct id's gradient [U, D]."""
+        grad = torch.empty(unique_count, grad_output.shape[1])
+        _row_gradients(
+            inverse.numpy(), offsets.numpy(), self._scales(per_sample_weights), mean,
+            grad_output.contiguous().numpy(), grad.numpy(),
+        )  # fmt: skip
+        return grad
 
     def pool(
         self,

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from leanstate.embedding import KeyedTensor, KVTableConfig, _table_inputs, _Tables
-from leanstate.reference.embedding import pool_rows, row_gradients
 from leanstate.reference.sharded_checkpoint import BucketedTable
 from leanstate.reference.sharding import bucket_owner, bucket_range
 
@@ -58,8 +57,8 @@ class _ShardedLookup(torch.autograd.Function):
         for table, (unique, inverse, ends, weights) in prepared.items():
             rows, plan = module._fetch(table, unique)
             ctx.plans.append(plan)
-            mean = module.embedding_bags[table].mode == "mean"
-            outputs.append(pool_rows(rows, inverse, ends, weights, mean))
+            bag = module.embedding_bags[table]
+            outputs.append(bag._engine.pool_rows(rows, inverse, ends, weights, bag.mode == "mean"))
         return tuple(outputs)
 
     @staticmethod
@@ -235,7 +234,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
     def _push_gradients(self, table, unique, inverse, ends, weights, plan: _Plan, grad_output) -> None:
         """Send each distinct id's gradient to its owner, who sums and applies them."""
         bag = self.embedding_bags[table]
-        grad = row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
+        grad = bag._engine.row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
         received = self._all_to_all(grad[plan.order], plan.send_counts, plan.recv_counts)
         # received rows are in (source rank, position) order: each its own one-row bag
         owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)

@@ -175,6 +175,16 @@ class EmbeddingEngine:
         holder = weights if state is None else state
         self.state_width = self.state_floats * 4 // holder.layout.itemsize
 
+    def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
+        """``pool_rows`` on given rows [U, D] (e.g. rows received from their owners)."""
+        return pool_rows(rows, inverse, offsets, per_sample_weights, mean)
+
+    def row_gradients(
+        self, unique_count, inverse, offsets, per_sample_weights, mean, grad_output
+    ) -> torch.Tensor:
+        """``row_gradients``: each distinct id's gradient [U, D]."""
+        return row_gradients(unique_count, inverse, offsets, per_sample_weights, mean, grad_output)
+
     def pool(
         self,
         unique: torch.Tensor,

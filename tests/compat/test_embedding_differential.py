@@ -79,3 +79,32 @@ def test_engine_trains_bit_for_bit_like_the_reference(
         assert torch.equal(outputs[0].view(torch.uint8), outputs[1].view(torch.uint8))
         for a, b in zip(rows_of(bags[0]), rows_of(bags[1]), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ACCELERATED)
+@settings(max_examples=30, deadline=None)
+@given(
+    steps=st.lists(batches, min_size=1, max_size=1),
+    mean=st.booleans(),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_pooling_and_gradients_of_given_rows_match_the_reference(backend, steps, mean, weighted, seed):
+    """``pool_rows`` / ``row_gradients`` (what the sharded collection runs on received rows)."""
+    from leanstate.reference.embedding import pool_rows, row_gradients
+
+    bag = KVEmbeddingBag(None, D, backend=backend)
+    ids = torch.tensor([max(i, 0) for b in steps[0] for i in b], dtype=torch.int64)
+    offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(b) for b in steps[0]]), 0).tolist()])
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(unique), D, generator=generator)
+    weights = torch.rand(len(ids), generator=generator) if weighted else None
+    grad_output = torch.randn(len(offsets) - 1, D, generator=generator)
+    got = bag._engine.pool_rows(rows, inverse, offsets, weights, mean)
+    assert torch.equal(
+        got.view(torch.int32), pool_rows(rows, inverse, offsets, weights, mean).view(torch.int32)
+    )
+    got = bag._engine.row_gradients(len(unique), inverse, offsets, weights, mean, grad_output)
+    want = row_gradients(len(unique), inverse, offsets, weights, mean, grad_output)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
