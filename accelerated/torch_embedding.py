@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from leanstate.accelerated.torch_kv_store import KVStoreEngine
-from leanstate.reference.embedding import RULES, pool_rows, row_gradients, state_fields
-from leanstate.reference.row_format import COUNT_MAX, header_words, pack_metadata, unpack_metadata
+from leanstate.accelerated.torch_kv_store import KVStoreEngine, stamp
+from leanstate.reference.embedding import RULES, pool_rows, row_gradients, state_elements
 
 
 class EmbeddingEngine:
@@ -39,9 +38,8 @@ class EmbeddingEngine:
                 raise TypeError("the torch embedding engine needs torch store engines")
         self.weights, self.state, self.state_start = weights, state, state_start
         self.rule = RULES[optimizer]
-        floats = sum(width for _, width in state_fields(optimizer, weights.layout.dim).values())
         holder = weights if state is None else state
-        self.state_width = floats * 4 // holder.layout.itemsize  # float32 values, as bytes in 16-bit rows
+        self.state_width = state_elements(optimizer, weights.layout.dim, holder.layout.dtype)
 
     def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
         """``pool_rows`` on given rows [U, D] (e.g. rows received from their owners)."""
@@ -57,15 +55,6 @@ class EmbeddingEngine:
         layout = self.weights.layout
         rows = self.weights.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
         return pool_rows(rows, inverse, offsets, per_sample_weights, mean)
-
-    @staticmethod
-    def _stamp(rows: torch.Tensor, now: int) -> None:
-        header = header_words(rows)
-        _, count, _ = unpack_metadata(header[:, 1])
-        count = torch.clamp(count + 1, max=COUNT_MAX)
-        header[:, 1] = pack_metadata(
-            torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool)
-        )
 
     def update(
         self, unique, inverse, offsets, per_sample_weights, mean, grad_output, *, hyperparameters, step, now
@@ -89,8 +78,8 @@ class EmbeddingEngine:
                     state_rows = self.state.pool.index_select(0, state_blocks)
                     state = state_rows[:, self.state_start : self.state_start + self.state_width]
                     self.rule(weights, state, grad, step=step, **hyperparameters)
-                    self._stamp(state_rows, now)
+                    stamp(state_rows, 1, now)
                     self.state.pool.index_copy_(0, state_blocks, state_rows)
             rows[:, first : first + dim] = weights
-            self._stamp(rows, now)
+            stamp(rows, 1, now)
             self.weights.pool.index_copy_(0, blocks, rows)

@@ -52,6 +52,15 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
+def stamp(rows: torch.Tensor, writes: torch.Tensor | int, now: int) -> None:
+    """Headers of ``rows`` after ``writes`` more writes each: count += writes (saturating),
+    timestamp ``now``, ``used`` set."""
+    header = header_words(rows)
+    _, count, _ = unpack_metadata(header[:, 1])
+    count = torch.clamp(count + writes, max=COUNT_MAX)
+    header[:, 1] = pack_metadata(torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool))
+
+
 class KVStoreEngine:
     """The torch store engine (``spec/backends.md``): one hash table and one row pool.
 
@@ -273,12 +282,7 @@ class KVStoreEngine:
             blocks = self._blocks_for(unique)
             rows = self.pool.index_select(0, blocks)
             rows[:, start : start + values.shape[1]] = values[kept[last]]
-            header = header_words(rows)
-            _, count, _ = unpack_metadata(header[:, 1])
-            count = torch.clamp(count + occurrences, max=COUNT_MAX)
-            header[:, 1] = pack_metadata(
-                torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool)
-            )
+            stamp(rows, occurrences, now)
             self.pool.index_copy_(0, blocks, rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
@@ -323,12 +327,12 @@ class KVStoreEngine:
         with self.lock:
             keys = torch.sort(self._table_keys[self._table_keys >= 0]).values
             rows = self.pool.index_select(0, self._probe(keys)[1])
-            stamp, count, _ = unpack_metadata(header_words(rows)[:, 1])
+            stamped, count, _ = unpack_metadata(header_words(rows)[:, 1])
             doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
             if min_count is not None:
                 doomed |= count < min_count
             if max_age_s is not None:
-                doomed |= (now - stamp) > max_age_s
+                doomed |= (now - stamped) > max_age_s
             if min_l2_norm is not None:
                 weights = rows[:, layout.weight_offset : layout.weight_offset + layout.dim]
                 doomed |= torch.linalg.vector_norm(weights.float(), dim=1) < min_l2_norm
@@ -336,7 +340,7 @@ class KVStoreEngine:
                 survivors = torch.nonzero(~doomed).flatten()
                 excess = len(survivors) - max_rows
                 if excess > 0:  # fewest writes, then oldest, then smallest id (keys ascend)
-                    by_stamp = survivors[torch.argsort(stamp[survivors], stable=True)]
+                    by_stamp = survivors[torch.argsort(stamped[survivors], stable=True)]
                     ranked = by_stamp[torch.argsort(count[by_stamp], stable=True)]
                     doomed[ranked[:excess]] = True
             victims = keys[doomed]

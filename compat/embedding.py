@@ -30,7 +30,7 @@ from torch import nn
 
 from leanstate import _backends
 from leanstate.kv_store import KVStore
-from leanstate.reference.embedding import OPTIMIZERS, state_fields
+from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import pad4
 
@@ -172,12 +172,11 @@ class KVEmbeddingBag(nn.Module):
         self.lr, self.eps, self.betas, self.weight_decay = lr, eps, betas, weight_decay
         self.optimizer_offloading, self.return_whole_row = optimizer_offloading, return_whole_row
         self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
-        state_floats = sum(width for _, width in self.fields.values())
         self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
         self.stats = {"batches": 0, "ids": 0, "padding_ids": 0, "unique_ids": 0}
         common = dict(num_shards=num_shards, seed=seed, clock=clock, backend=name)
         if optimizer_offloading:
-            state_elems = state_floats * 4 // dtype.itemsize
+            state_elems = state_elements(optimizer, embedding_dim, dtype)
             self.store = KVStore(
                 embedding_dim, optimizer_state_dim=state_elems, dtype=dtype, init_range=init_range, **common
             )
@@ -185,6 +184,7 @@ class KVEmbeddingBag(nn.Module):
             state_start = self.store.layout.state_offset
         else:
             self.store = KVStore(embedding_dim, dtype=dtype, init_range=init_range, **common)
+            state_floats = state_elements(optimizer, embedding_dim, torch.float32)
             self.state_store = (
                 KVStore(state_floats, init_range=(0.0, 0.0), **common) if state_floats else None
             )

@@ -648,7 +648,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]
 # -- load -------------------------------------------------------------------------------
 
 
-def _check_layout(path: Path, name: str, table: dict, store: KVStore) -> None:
+def _check_layout(where: Path, name: str, table: dict, store: KVStore) -> None:
     layout = store.layout
     saved = RowLayout(table["dim"], table["optimizer_state_dim"], _DTYPES.get(table["dtype"], torch.float32))
     problems = []
@@ -663,7 +663,7 @@ def _check_layout(path: Path, name: str, table: dict, store: KVStore) -> None:
     if not problems and (table["width"], table["row_bytes"]) != (saved.width, saved.row_bytes):
         problems.append(f"width {table['width']} does not match its own dim, state and dtype")
     if problems:
-        raise CheckpointError(f"table {name!r} in {path / table['file']}: " + "; ".join(problems))
+        raise CheckpointError(f"table {name!r} in {where}: " + "; ".join(problems))
 
 
 def load_checkpoint(
@@ -708,7 +708,7 @@ def load_checkpoint(
             have = ", ".join(sorted(manifest["tables"])) or "none"
             raise CheckpointError(f"table {target.name!r} is not in checkpoint {path} (it has: {have})")
         table = manifest["tables"][target.name]
-        _check_layout(path, target.name, table, target.store)
+        _check_layout(path / table["file"], target.name, table, target.store)
         plan.append((target, table, _chunks_in_range(table, id_range)))
     extra = _read_extra(path, manifest)  # checked before any row is applied
     # Into stores that hold no row yet, every row is new: verify and apply in one pass,

@@ -43,6 +43,12 @@ def state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:
     return {}
 
 
+def state_elements(optimizer: str, dim: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` holding the optimizer's float32 state: its bytes (two 16-bit
+    elements per value)."""
+    return sum(width for _, width in state_fields(optimizer, dim).values()) * 4 // dtype.itemsize
+
+
 def _decayed(weights: torch.Tensor, grad: torch.Tensor, weight_decay: float) -> torch.Tensor:
     """L2 weight decay in torch.optim's form: ``g + weight_decay * w``."""
     return grad + weight_decay * weights if weight_decay else grad
@@ -170,10 +176,8 @@ class EmbeddingEngine:
     ) -> None:
         self.weights, self.state, self.state_start = weights, state, state_start
         self.rule = RULES[optimizer]
-        self.state_floats = sum(width for _, width in state_fields(optimizer, weights.layout.dim).values())
-        # The state is float32 values; in 16-bit rows each takes two elements (its bytes).
         holder = weights if state is None else state
-        self.state_width = self.state_floats * 4 // holder.layout.itemsize
+        self.state_width = state_elements(optimizer, weights.layout.dim, holder.layout.dtype)
 
     def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
         """``pool_rows`` on given rows [U, D] (e.g. rows received from their owners)."""

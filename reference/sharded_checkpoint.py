@@ -30,7 +30,7 @@ import torch.distributed as dist
 from leanstate.reference import checkpoint as v1
 from leanstate.reference.kv_store import KVStore
 from leanstate.reference.row_format import RowLayout, header_words
-from leanstate.reference.sharding import bucket_of, bucket_owner
+from leanstate.reference.sharding import bucket_of, bucket_owner, owner_of_bucket
 
 FORMAT_VERSION = 2
 
@@ -76,9 +76,9 @@ def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int) -> dict
     layout = table.store.layout
     rows_per_chunk = max(1, chunk_bytes // layout.row_bytes)
     keys = table.store.keys()
-    order = torch.argsort(table.bucket(keys), stable=True)  # keys ascend: (bucket, id) order
-    keys = keys[order]
     buckets = table.bucket(keys)
+    order = torch.argsort(buckets, stable=True)  # keys ascend: (bucket, id) order
+    keys, buckets = keys[order], buckets[order]
     chunks, offset = [], 0
     with open(file, "wb") as f:
         starts = torch.cat(
@@ -313,7 +313,7 @@ last_load_stats: dict[str, int] = {}
 
 
 def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
-    v1._check_layout(path, name, {**saved, "file": f"{name}.rows"}, table.store)
+    v1._check_layout(path / v1.MANIFEST, name, saved, table.store)
     bucketing = saved.get("bucketing")
     if bucketing is not None and (bucketing["buckets"], bucketing["bucket_size"]) != (
         table.buckets,
@@ -355,7 +355,10 @@ def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stat
         file = path / f["file"]
         with open(file, "rb") as handle:
             for i, chunk in enumerate(f["chunks"]):
-                if "bucket" in chunk and chunk["bucket"] * world // table.buckets != rank:
+                if "bucket" in chunk and (
+                    owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=table.buckets)
+                    != rank
+                ):
                     continue  # another rank's bucket: not even read
                 rows = _read_chunk(handle, file, i, chunk, saved, table.store.layout.dtype)
                 stats["bytes_read"] += rows.numel() * rows.element_size()

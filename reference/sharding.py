@@ -59,10 +59,16 @@ def bucket_range(rank: int, world_size: int, total_num_buckets: int) -> tuple[in
     return -(-rank * total_num_buckets // world_size), -(-(rank + 1) * total_num_buckets // world_size)
 
 
+def owner_of_bucket(buckets, *, world_size: int, total_num_buckets: int):
+    """The rank owning each bucket (an int or a tensor of buckets >= 0)."""
+    return buckets * world_size // total_num_buckets
+
+
 def bucket_owner(
     ids: torch.Tensor, *, world_size: int, total_num_buckets: int = 1024, bucket_size: int | None = None
 ) -> torch.Tensor:
     """The rank owning each id (int64, ``-1`` for padding): ``bucket * world_size // total_num_buckets``."""
     _check(world_size, total_num_buckets, bucket_size)
     buckets = bucket_of(ids, total_num_buckets=total_num_buckets, bucket_size=bucket_size)
-    return torch.where(buckets >= 0, buckets * world_size // total_num_buckets, -1)
+    owners = owner_of_bucket(buckets, world_size=world_size, total_num_buckets=total_num_buckets)
+    return torch.where(buckets >= 0, owners, -1)
