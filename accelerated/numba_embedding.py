@@ -5,9 +5,16 @@ Same interface and bits as ``leanstate.reference.embedding.EmbeddingEngine``
 the store's pool and pools them; backward is one kernel that sums each distinct id's
 gradient (its positions in ascending order, as the reference's ``index_add_``), applies
 the optimizer rule to the weights and state where they lie in the pool, and stamps the
-header: no gather -> math -> scatter round trip. The rules are the reference's,
-restated per element with the same float32 operations in the same order. Float32 rows
-only: 16-bit rows go through the reference engine's path over the numba stores.
+header: no gather -> math -> scatter round trip. The rules are ``spec/embedding.md``'s,
+written per element with the same float32 operations in the same order as the
+reference (numba compiles without fast-math, so nothing is contracted into a fused
+multiply-add). It touches its stores only through their row-access interface
+(``reading``/``writing``, ``locate``, ``rows``, ``read_blocks``/``write_blocks``).
+
+Numba has no float16 arithmetic on the CPU, so 16-bit rows run the same kernels on a
+float32 copy of the touched rows (``[weight | state]`` widened once, each new weight
+rounded once on the way back): still one compiled call per step, plus one gather and
+one scatter of the touched rows.
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from leanstate.accelerated.numba_kv_store import KVStoreEngine, lookup
-from leanstate.reference.embedding import EmbeddingEngine as ReferenceEngine
-from leanstate.reference.embedding import pool_rows
-from leanstate.reference.row_format import COUNT_MAX
+from leanstate.accelerated.numba_kv_store import KVStoreEngine
+from leanstate.reference.row_format import COUNT_MAX, header_words
+
+DEVICES = ("cpu",)
+AUTO_PRIORITY = {"cpu": 20, "cuda": 10}
+BENCH_TARGETS = {"sgd": (">=", 0.6), "rowwise_adagrad": (">=", 1.0)}
 
 _SGD, _ADAGRAD, _ADAM = 0, 1, 2
 _RULE_IDS = {"sgd": _SGD, "rowwise_adagrad": _ADAGRAD, "adam": _ADAM}
@@ -173,32 +182,33 @@ def _update(
 
 
 class EmbeddingEngine:
-    """The numba embedding engine over numba store engines (float32 rows).
+    """The numba embedding engine over numba store engines.
 
     Args:
         weights: the store engine holding the weights (and the state when offloaded).
         state: the store engine holding the optimizer state when not offloaded, else None.
         state_start: the first state column (from the start of the row) in its store.
+        state_width: the state's columns in its store (float32 values as row elements).
         optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``.
     """
 
     backend = "numba"
 
     def __init__(
-        self, weights: KVStoreEngine, state: KVStoreEngine | None, *, state_start: int, optimizer: str
+        self,
+        weights: KVStoreEngine,
+        state: KVStoreEngine | None,
+        *,
+        state_start: int,
+        state_width: int,
+        optimizer: str,
     ) -> None:
         for engine in (weights, state):
             if engine is not None and not isinstance(engine, KVStoreEngine):
                 raise TypeError("the numba embedding engine needs numba store engines")
-        self.weights, self.state, self.state_start = weights, state, state_start
+        self.weights, self.state = weights, state
+        self.state_start, self.state_width = state_start, state_width
         self.rule = _RULE_IDS[optimizer]
-        # numba has no float16 arithmetic on the CPU: 16-bit rows take the reference's
-        # gather -> float32 rule -> scatter path, over these same numba stores.
-        self._generic = (
-            None
-            if weights.layout.dtype == torch.float32
-            else ReferenceEngine(weights, state, state_start=state_start, optimizer=optimizer)
-        )
 
     @staticmethod
     def _scales(per_sample_weights: torch.Tensor | None) -> np.ndarray:
@@ -207,12 +217,11 @@ class EmbeddingEngine:
         return per_sample_weights.contiguous().numpy()
 
     def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
-        """``reference.embedding.pool_rows`` on given rows [U, D] (e.g. rows received from owners)."""
-        if self._generic is not None or rows.dtype != torch.float32:
-            return pool_rows(rows, inverse, offsets, per_sample_weights, mean)
+        """Pool given rows [U, D] of any float dtype (e.g. rows received from their owners)."""
+        rows = rows.to(torch.float32).contiguous()
         out = torch.empty(len(offsets) - 1, rows.shape[1])
         _pool(
-            rows.contiguous().numpy(),
+            rows.numpy(),
             np.arange(len(rows), dtype=np.int64),
             np.empty((0, rows.shape[1]), dtype=np.float32),
             np.full(len(rows), -1, dtype=np.int64),
@@ -228,7 +237,7 @@ class EmbeddingEngine:
     def row_gradients(
         self, unique_count, inverse, offsets, per_sample_weights, mean, grad_output
     ) -> torch.Tensor:
-        """``reference.embedding.row_gradients``: each distinct id's gradient [U, D]."""
+        """Each distinct id's gradient [U, D], summed exactly as ``update`` sums it."""
         grad = torch.empty(unique_count, grad_output.shape[1])
         _row_gradients(
             inverse.numpy(), offsets.numpy(), self._scales(per_sample_weights), mean,
@@ -244,23 +253,25 @@ class EmbeddingEngine:
         per_sample_weights: torch.Tensor | None,
         mean: bool,
     ) -> torch.Tensor:
-        if self._generic is not None:
-            return self._generic.pool(unique, inverse, offsets, per_sample_weights, mean)
         store = self.weights
         layout = store.layout
+        if layout.dtype != torch.float32:
+            rows = store.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
+            return self.pool_rows(rows, inverse, offsets, per_sample_weights, mean)
         out = torch.empty(len(offsets) - 1, layout.dim)
-        with store.lock.reading():
-            blocks = lookup(store.table_keys, store.table_blocks, unique.numpy())
+        with store.reading():
+            blocks = store.locate(unique).numpy()
             missing = np.flatnonzero(blocks == -1)
             slot_of_missing = np.full(len(unique), -1, dtype=np.int64)
             slot_of_missing[missing] = np.arange(len(missing))
-            initial = store.initial_weights(unique[torch.from_numpy(missing)]).numpy()
+            initial = store.initial_rows(unique[torch.from_numpy(missing)])
+            first = layout.weight_offset
             _pool(
-                store.pool.numpy(),
+                store.rows.numpy(),
                 blocks,
-                initial.reshape(len(missing), layout.dim),
+                initial[:, first : first + layout.dim].contiguous().numpy(),
                 slot_of_missing,
-                layout.weight_offset,
+                first,
                 inverse.numpy(),
                 offsets.numpy(),
                 self._scales(per_sample_weights),
@@ -282,57 +293,68 @@ class EmbeddingEngine:
         step: int,
         now: int,
     ) -> None:
-        if self._generic is not None:
-            self._generic.update(
-                unique, inverse, offsets, per_sample_weights, mean, grad_output,
-                hyperparameters=hyperparameters, step=step, now=now,
-            )  # fmt: skip
-            return
         weights, state = self.weights, self.state
         f32 = np.float32
         lr, eps = hyperparameters["lr"], hyperparameters["eps"]
         beta1, beta2 = hyperparameters["beta1"], hyperparameters["beta2"]
         grad = np.empty((len(unique), weights.layout.dim), dtype=np.float32)
+        scalars = (
+            f32(lr),
+            f32(eps),
+            f32(beta1),
+            f32(1 - beta1),
+            f32(beta2),
+            f32(1 - beta2),
+            f32(hyperparameters["weight_decay"]),
+            f32(lr / (1 - beta1**step)) if self.rule == _ADAM else f32(0.0),
+            f32((1 - beta2**step) ** 0.5) if self.rule == _ADAM else f32(1.0),
+            now,
+        )
+        gradient = (inverse.numpy(), offsets.numpy(), self._scales(per_sample_weights), mean,
+                    grad_output.contiguous().numpy(), grad)  # fmt: skip
         with ExitStack() as locks:
             for engine in (weights, state):
                 if engine is not None:
-                    locks.enter_context(engine.lock.writing())
-            blocks = _insert(weights, unique)
-            state_engine, state_blocks = (
-                (state, _insert(state, unique)) if state is not None else (weights, blocks)
-            )
-            _update(
-                weights.pool.numpy(),
-                weights.words,
-                blocks,
-                weights.layout.weight_offset,
-                state_engine.pool.numpy(),
-                state_engine.words,
-                state_blocks,
-                self.state_start,
-                state is not None,
-                self.rule,
-                inverse.numpy(),
-                offsets.numpy(),
-                self._scales(per_sample_weights),
-                mean,
-                grad_output.contiguous().numpy(),
-                grad,
-                f32(lr),
-                f32(eps),
-                f32(beta1),
-                f32(1 - beta1),
-                f32(beta2),
-                f32(1 - beta2),
-                f32(hyperparameters["weight_decay"]),
-                f32(lr / (1 - beta1**step)) if self.rule == _ADAM else f32(0.0),
-                f32((1 - beta2**step) ** 0.5) if self.rule == _ADAM else f32(1.0),
-                now,
-            )
+                    locks.enter_context(engine.writing())
+            blocks = weights.locate(unique, insert=True)
+            state_blocks = state.locate(unique, insert=True) if state is not None else blocks
+            if weights.layout.dtype == torch.float32:
+                holder = state if state is not None else weights
+                _update(
+                    weights.rows.numpy(), weights.rows.view(torch.int64).numpy(), blocks.numpy(),
+                    weights.layout.weight_offset, holder.rows.numpy(), holder.rows.view(torch.int64).numpy(),
+                    state_blocks.numpy(), self.state_start, state is not None, self.rule,
+                    *gradient, *scalars,
+                )  # fmt: skip
+            else:
+                self._update_widened(blocks, state_blocks, gradient, scalars)
 
-
-def _insert(store: KVStoreEngine, ids: torch.Tensor) -> np.ndarray:
-    """Blocks of ``ids``, inserting missing ones from their initial rows (write lock held)."""
-    blocks, fresh = store.locate_or_insert(ids)
-    store.fill_initial(ids, blocks, fresh)
-    return blocks
+    def _update_widened(self, blocks, state_blocks, gradient, scalars) -> None:
+        """``update`` for 16-bit rows: the kernel on float32 copies, each value rounded once back."""
+        weights, state, layout = self.weights, self.state, self.weights.layout
+        dim, first = layout.dim, layout.weight_offset
+        rows = weights.read_blocks(blocks)
+        header = header_words(rows).contiguous()
+        in_row = state is None and self.state_width > 0
+        widened = torch.empty(len(rows), dim + (self.state_width * rows.element_size() // 4 if in_row else 0))
+        widened[:, :dim] = rows[:, first : first + dim]
+        if in_row:
+            state_columns = rows[:, self.state_start : self.state_start + self.state_width].contiguous()
+            widened[:, dim:] = state_columns.view(torch.float32)
+        own = np.arange(len(rows), dtype=np.int64)
+        if state is None:
+            target, target_words, target_blocks, target_start = widened, header, own, dim
+        else:
+            target, target_words = state.rows, state.rows.view(torch.int64)
+            target_blocks, target_start = state_blocks.numpy(), self.state_start
+        _update(
+            widened.numpy(), header.numpy(), own, 0, target.numpy(), target_words.numpy(),
+            target_blocks, target_start, state is not None, self.rule, *gradient, *scalars,
+        )  # fmt: skip
+        rows[:, first : first + dim] = widened[:, :dim]
+        if in_row:
+            rows[:, self.state_start : self.state_start + self.state_width] = widened[:, dim:].view(
+                rows.dtype
+            )
+        header_words(rows)[:] = header
+        weights.write_blocks(blocks, rows)

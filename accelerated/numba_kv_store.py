@@ -51,6 +51,17 @@ POOL_STEP_ROWS = 1024
 _HUGE_PAGE_RESERVE_BYTES = 64 * 2**20
 _MIN_SLOTS = 16
 
+DEVICES = ("cpu",)
+AUTO_PRIORITY = {"cpu": 20, "cuda": 10}
+BENCH_TARGETS = {
+    "get": (">=", 0.8),
+    "set": (">=", 0.6),
+    "insert": (">=", 0.35),
+    "memory": ("<=", 1.1),
+    "save": (">=", 0.5),
+    "load": (">=", 0.5),
+}
+
 
 # -- hashing -----------------------------------------------------------------------------
 
@@ -86,7 +97,7 @@ def _home(key, mask):
 
 
 @njit(nogil=True, cache=True)
-def probe(table_keys, table_blocks, key):
+def _probe(table_keys, table_blocks, key):
     """Block of ``key``, or -1 when it is absent (-2 for a negative key)."""
     if key < 0:
         return -2
@@ -100,11 +111,11 @@ def probe(table_keys, table_blocks, key):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def lookup(table_keys, table_blocks, ids):
+def _lookup(table_keys, table_blocks, ids):
     """Block of every id: -1 missing, -2 negative (padding)."""
     out = np.empty(ids.shape[0], dtype=np.int64)
     for i in prange(ids.shape[0]):
-        out[i] = probe(table_keys, table_blocks, ids[i])
+        out[i] = _probe(table_keys, table_blocks, ids[i])
     return out
 
 
@@ -143,7 +154,7 @@ def _insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, hande
     for i in range(ids.shape[0]):
         if blocks[i] != -1:
             continue
-        block = probe(table_keys, table_blocks, ids[i])
+        block = _probe(table_keys, table_blocks, ids[i])
         if block < 0:
             if free_top > 0:
                 free_top -= 1
@@ -348,15 +359,23 @@ class KVStoreEngine:
 
     Args:
         layout: the row layout (dim, optimizer state, dtype).
-        num_shards: recorded for the front class; one table serves every shard here.
+        num_shards: recorded only: one table serves every id (a call already spreads over
+            every core, so shards would add no parallelism).
         init_range: (low, high) of the initial weights of missing ids.
         seed: seed of the initial weights.
+        device: the CPU (rows live in host memory).
     """
 
     backend = "numba"
 
     def __init__(
-        self, layout: RowLayout, *, num_shards: int, init_range: tuple[float, float], seed: int
+        self,
+        layout: RowLayout,
+        *,
+        num_shards: int,
+        init_range: tuple[float, float],
+        seed: int,
+        device: torch.device | None = None,
     ) -> None:
         self.layout = layout
         self.num_shards = num_shards
@@ -424,18 +443,61 @@ class KVStoreEngine:
 
     # -- helpers -------------------------------------------------------------------
 
-    def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
+    def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), dim] initial weights in the row dtype."""
         low, high = self.init_range
         weights = _initial_weights(ids.numpy(), self.layout.dim, _U64(self.seed & (2**64 - 1)), low, high)
         return torch.from_numpy(weights).to(self.layout.dtype)
 
-    def fill_initial(self, ids: torch.Tensor, blocks: np.ndarray, fresh: np.ndarray) -> None:
+    def _fill_initial(self, ids: torch.Tensor, blocks: np.ndarray, fresh: np.ndarray) -> None:
         """Initial weights into the rows of freshly inserted ``ids[fresh]``."""
         if len(fresh):
             offset = self.layout.weight_offset
             chosen = torch.from_numpy(blocks[fresh])
-            self.pool[chosen, offset : offset + self.layout.dim] = self.initial_weights(ids[fresh])
+            self.pool[chosen, offset : offset + self.layout.dim] = self._initial_weights(ids[fresh])
+
+    # -- row access (spec/backends.md) --------------------------------------------
+
+    def reading(self):
+        """The shared side of the readers-writer lock: hold it while reading ``rows``."""
+        return self.lock.reading()
+
+    def writing(self):
+        """The exclusive side: hold it while inserting or writing ``rows``."""
+        return self.lock.writing()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The row pool ``[capacity, width]`` (a view): ``rows[block]`` is a block's row.
+
+        Valid until the next insert (the pool may be remapped); read it under the lock.
+        """
+        return self.pool
+
+    def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
+        """Block of each id, -1 missing, -2 negative; ``insert=True`` (under ``writing()``)
+        inserts the missing ids with their initial rows, header ``(key, used)``."""
+        if not insert:
+            return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, ids.numpy()))
+        blocks, fresh = self._locate_or_insert(ids)
+        self._fill_initial(ids, blocks, fresh)
+        return torch.from_numpy(blocks)
+
+    def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole rows (a copy) of present blocks."""
+        return self.pool.index_select(0, blocks)
+
+    def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows written at present, distinct blocks."""
+        self.pool.index_copy_(0, blocks, rows)
+
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
+        layout = self.layout
+        rows = torch.zeros(len(ids), layout.width, dtype=layout.dtype)
+        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = self._initial_weights(ids)
+        rows[:, : layout.header_elems].view(torch.int64)[:, 0] = ids
+        return rows
 
     # -- reads ---------------------------------------------------------------------
 
@@ -445,7 +507,7 @@ class KVStoreEngine:
         if out is None:
             out = torch.empty(len(ids), width, dtype=self.layout.dtype)
         with self.lock.reading():
-            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
+            blocks = _lookup(self.table_keys, self.table_blocks, ids.numpy())
             _gather(self.elems, blocks, start, as_elements(out))
         if initial and width:
             missing = torch.from_numpy(np.flatnonzero(blocks == -1))
@@ -457,19 +519,15 @@ class KVStoreEngine:
         self, ids: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, start: int
     ) -> None:
         """Columns ``[start, start + width)`` of the initial rows of ``ids`` into ``out[positions]``."""
-        layout = self.layout
-        rows = torch.zeros(len(ids), layout.width, dtype=layout.dtype)
-        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = self.initial_weights(ids)
-        rows[:, : layout.header_elems].view(torch.int64)[:, 0] = ids
-        out[positions] = rows[:, start : start + out.shape[1]]
+        out[positions] = self.initial_rows(ids)[:, start : start + out.shape[1]]
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         with self.lock.reading():
-            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
+            return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
 
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
         with self.lock.reading():
-            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
+            blocks = _lookup(self.table_keys, self.table_blocks, ids.numpy())
             return torch.from_numpy(_gather_metadata(self.words, blocks))
 
     def keys(self) -> torch.Tensor:
@@ -477,7 +535,7 @@ class KVStoreEngine:
             keys, _ = _live(self.table_keys, self.table_blocks, self.size)
         return torch.sort(torch.from_numpy(keys)).values
 
-    def live(self) -> tuple[torch.Tensor, np.ndarray]:
+    def _live_sorted(self) -> tuple[torch.Tensor, np.ndarray]:
         """(ids ascending, their blocks); call with the lock held."""
         keys, blocks = _live(self.table_keys, self.table_blocks, self.size)
         order = np.argsort(keys, kind="stable")
@@ -485,13 +543,13 @@ class KVStoreEngine:
 
     # -- writes --------------------------------------------------------------------
 
-    def locate_or_insert(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _locate_or_insert(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(blocks, positions inserted) for ``ids``; call with the write lock held.
 
         Missing non-negative ids are inserted with header (key, used), zero columns.
         """
         keys = ids.numpy()
-        blocks = lookup(self.table_keys, self.table_blocks, keys)
+        blocks = _lookup(self.table_keys, self.table_blocks, keys)
         missing = int(np.count_nonzero(blocks == -1))
         fresh = np.empty(missing, dtype=np.int64)
         if missing:
@@ -517,9 +575,9 @@ class KVStoreEngine:
         end = start + values.shape[1]
         covers_weights = start <= layout.weight_offset and end >= layout.weight_offset + layout.dim
         with self.lock.writing():
-            blocks, fresh = self.locate_or_insert(ids)
+            blocks, fresh = self._locate_or_insert(ids)
             if not covers_weights:
-                self.fill_initial(ids, blocks, fresh)
+                self._fill_initial(ids, blocks, fresh)
             winner = np.empty(len(blocks), dtype=np.bool_)
             _mark_last_writers(self.words, blocks, winner)
             _write_columns(self.elems, self.words, blocks, winner, as_elements(values), start, now)
@@ -527,7 +585,7 @@ class KVStoreEngine:
     def write_rows(self, rows: torch.Tensor) -> None:
         words = as_words(rows)
         with self.lock.writing():
-            blocks, _ = self.locate_or_insert(torch.from_numpy(words[:, 0].copy()))
+            blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
             _mark_last_rows(self.words, blocks, winner)
             _write_rows(self.words, blocks, winner, words)
@@ -562,7 +620,7 @@ class KVStoreEngine:
         """Decide and delete under the write lock: atomic with respect to every other call."""
         layout = self.layout
         with self.lock.writing():
-            keys, blocks = self.live()
+            keys, blocks = self._live_sorted()
             meta = torch.from_numpy(self.words[blocks, 1])
             stamp, count = meta & 0xFFFFFFFF, (meta >> 32) & COUNT_MAX
             doomed = torch.zeros(len(keys), dtype=torch.bool)

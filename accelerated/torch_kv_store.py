@@ -25,10 +25,13 @@ import threading
 
 import torch
 
-from leanstate.reference.hashing import _GOLDEN, _MIX1, _MIX2, INIT_BITS, MASK64
+from leanstate.reference.hashing import INIT_BITS, MASK64, SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
 
 _EMPTY, _TOMBSTONE = -1, -2
+DEVICES = ("cpu", "cuda")
+AUTO_PRIORITY = {"cpu": 10, "cuda": 30}  # on a GPU: first until the GPU bench says otherwise
+BENCH_TARGETS = {"get": (">=", 0.3)}  # torch ops on the CPU, no compiled kernels
 _USED = torch.iinfo(torch.int64).min
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -46,9 +49,9 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """SplitMix64's output function on int64 bit patterns (wrapping add and multiply)."""
-    z = x + _signed(_GOLDEN)
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = x + _signed(SPLITMIX_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(SPLITMIX_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(SPLITMIX_MIX2)
     return z ^ _shift_right(z, 31)
 
 
@@ -196,12 +199,14 @@ class KVStoreEngine:
         return torch.cat([reused, new])
 
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """Blocks for distinct absent keys, holding their initial rows."""
+        """Blocks for distinct absent keys, holding their initial rows and header (key, used)."""
         self._fit_table(self._rows + len(keys))
         blocks = self._allocate(len(keys))
         self._place(keys, blocks)
         self._rows += len(keys)
-        self.pool.index_copy_(0, blocks, self.initial_rows(keys))
+        rows = self.initial_rows(keys)
+        header_words(rows)[:, 1] = _USED
+        self.pool.index_copy_(0, blocks, rows)
         return blocks
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -217,6 +222,38 @@ class KVStoreEngine:
         rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = weights.to(layout.dtype)
         header_words(rows)[:, 0] = ids
         return rows
+
+    # -- row access (spec/backends.md) ------------------------------------------------
+
+    def reading(self) -> threading.RLock:
+        """The engine's lock (one for readers and writers): hold it around row access."""
+        return self.lock
+
+    writing = reading
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The row pool ``[capacity, width]`` on the engine's device; valid until the next insert."""
+        return self.pool
+
+    def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
+        """Block of each id, -1 when missing or negative; ``insert=True`` inserts the missing
+        (distinct, non-negative) ids with their initial rows, header ``(key, used)``."""
+        ids = ids.to(self.device)
+        blocks = self._lookup(ids)
+        if insert:
+            missing = torch.nonzero((blocks < 0) & (ids >= 0)).flatten()
+            if len(missing):
+                blocks[missing] = self._insert(ids[missing])
+        return blocks
+
+    def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole rows (a copy) of present blocks."""
+        return self.pool.index_select(0, blocks)
+
+    def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows written at present, distinct blocks."""
+        self.pool.index_copy_(0, blocks, rows)
 
     # -- reads -----------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ Example::
 from importlib.metadata import PackageNotFoundError, version
 
 from leanstate._backends import BackendInfo, backend_info
-from leanstate._dispatch import BackendDispatch
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.embedding import (
     KeyedJaggedTensor,
@@ -42,6 +41,7 @@ from leanstate.reference.wrappers import (
     checkpoint_wrapper,
     offload_wrapper,
 )
+from leanstate.reference.zero import ZeroRedundancyOptimizer
 from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 
 try:
@@ -78,14 +78,3 @@ __all__ = [
     "save_checkpoint",
     "save_legacy_checkpoint",
 ]
-
-
-class ZeroRedundancyOptimizer(metaclass=BackendDispatch):
-    """ZeRO sharded optimizer (DESIGN §3.6); see ``leanstate.reference.zero``.
-
-    ``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None,
-    parameters_as_bucket_view=False, *, overlap_broadcast=False, backend=None, **defaults)``;
-    ``overlap_broadcast=True`` is served by the ``torch`` backend.
-    """
-
-    _component = "zero"

@@ -89,10 +89,10 @@ def _inspect_sharded(path: str, manifest: dict) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     """Print the manifest of a checkpoint and verify every chunk and the extra state; BAD names the fault."""
     from leanstate.reference.checkpoint import CheckpointError, verify_checkpoint
-    from leanstate.reference.sharded_checkpoint import _read_manifest
+    from leanstate.reference.sharded_checkpoint import read_manifest_v2
 
     try:
-        manifest = _read_manifest(Path(args.path))
+        manifest = read_manifest_v2(Path(args.path))
     except (OSError, CheckpointError) as exc:
         print(f"BAD: {exc}")
         return 1

@@ -1,13 +1,22 @@
 """Backend registry and selection, per component, at import time.
 
-A component (``"kv_store"``, ...) maps backend names to the module that implements it
-(``spec/backends.md``). Adding a backend is one file and one line in ``_IMPLEMENTATIONS``;
-``backend_info()``, the differential tests, the CLI and the benchmarks enumerate it. Selection reads
-``LEANSTATE_BACKEND`` (``auto`` by default, or a backend name): under ``auto`` a CUDA
-machine prefers ``torch``, others ``numba`` then ``torch``, and everything ends at
-``reference``. A
-missing or broken optional dependency never breaks ``import leanstate``: the choice
-falls back, and the reason is kept for :func:`backend_info`.
+``REGISTRY`` holds one line per (component, backend): the module that implements it
+(``spec/backends.md``). Each engine module describes itself:
+
+- ``DEVICES``: the device types it runs on (``("cpu",)``, ``("cuda",)``, ...);
+- ``AUTO_PRIORITY``: device type -> priority under ``auto`` (higher first; a device it
+  does not name is one where ``auto`` never picks it);
+- ``BENCH_TARGETS``: figure -> (``">="`` or ``"<="``, ratio) for ``leanstate bench``;
+- ``unavailable()`` (optional): why it cannot run here, or None.
+
+A module that fails to import (its optional dependency is missing or broken) is
+unavailable, with the error as the reason. Adding a backend is one file and one line
+here; ``backend_info()``, the differential tests, ``leanstate bench`` and the asv
+suites enumerate the registry. Selection reads ``LEANSTATE_BACKEND`` (``auto`` by
+default, or a backend name): a name is tried first, then the ``auto`` order of this
+machine, which always ends at ``reference``. ``import leanstate`` never fails for a
+missing backend: the choice falls back, and the reason is kept for
+:func:`backend_info`.
 """
 
 from __future__ import annotations
@@ -15,53 +24,72 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
+from types import ModuleType
 
-BACKENDS = ("reference", "numba", "numba-cuda", "torch")
 ENV_VAR = "LEANSTATE_BACKEND"
 
-# component -> backend -> module holding the implementation classes.
-_IMPLEMENTATIONS: dict[str, dict[str, str]] = {
-    "kv_store": {
-        "reference": "leanstate.reference.kv_store",
-        "numba": "leanstate.accelerated.numba_kv_store",
-        "torch": "leanstate.accelerated.torch_kv_store",
-    },
-    "embedding": {
-        "reference": "leanstate.reference.embedding",
-        "numba": "leanstate.accelerated.numba_embedding",
-        "torch": "leanstate.accelerated.torch_embedding",
-    },
-    "checkpoint": {
-        "reference": "leanstate.reference.checkpoint",
-        "numba": "leanstate.accelerated.numba_checkpoint",
-    },
-    "wrappers": {
-        "reference": "leanstate.reference.wrappers",
-    },
-    "zero": {
-        "reference": "leanstate.reference.zero",
-        "torch": "leanstate.accelerated.torch_zero",
-    },
+REGISTRY: dict[tuple[str, str], str] = {
+    ("kv_store", "reference"): "leanstate.reference.kv_store",
+    ("kv_store", "numba"): "leanstate.accelerated.numba_kv_store",
+    ("kv_store", "torch"): "leanstate.accelerated.torch_kv_store",
+    ("embedding", "reference"): "leanstate.reference.embedding",
+    ("embedding", "numba"): "leanstate.accelerated.numba_embedding",
+    ("embedding", "torch"): "leanstate.accelerated.torch_embedding",
+    ("checkpoint", "reference"): "leanstate.reference.checkpoint",
+    ("wrappers", "reference"): "leanstate.reference.wrappers",
+    ("zero", "reference"): "leanstate.reference.zero",
 }
 
 
-def _probe(backend: str) -> str | None:
-    """None when the backend's dependencies work here, else why not."""
-    try:
-        if backend == "numba":
-            importlib.import_module("numba")
-        elif backend == "numba-cuda":
-            cuda = importlib.import_module("numba.cuda")
-            if not cuda.is_available():
-                return "numba.cuda reports no usable CUDA device"
-        elif backend == "torch":
-            importlib.import_module("torch")
-    except Exception as exc:  # a broken install raises more than ImportError
-        return f"cannot import its dependency ({type(exc).__name__}: {exc})"
-    return None
+def components() -> list[str]:
+    """The registered components, in registry order."""
+    return list(dict.fromkeys(component for component, _ in REGISTRY))
 
 
-def _cuda_present() -> bool:
+def backends() -> list[str]:
+    """Every registered backend name, in registry order."""
+    return list(dict.fromkeys(backend for _, backend in REGISTRY))
+
+
+def implementations(component: str) -> list[str]:
+    """The backends registered for ``component``, in registry order."""
+    return [backend for c, backend in REGISTRY if c == component]
+
+
+def register(component: str, backend: str, module: str) -> None:
+    """Add (or replace) one registry line and redo the import-time selection.
+
+    The hook a new backend (or a test's toy backend) uses; :func:`unregister` undoes it.
+    """
+    REGISTRY[(component, backend)] = module
+    _PROBED.pop(module, None)
+    CHOSEN.reselect()
+
+
+def unregister(component: str, backend: str) -> None:
+    """Remove one registry line and redo the import-time selection."""
+    _PROBED.pop(REGISTRY.pop((component, backend)), None)
+    CHOSEN.reselect()
+
+
+_PROBED: dict[str, tuple[ModuleType | None, str | None]] = {}
+
+
+def load(component: str, backend: str) -> tuple[ModuleType | None, str | None]:
+    """(module, None) when ``backend`` of ``component`` works here, else (None, why not)."""
+    name = REGISTRY[(component, backend)]
+    if name not in _PROBED:
+        try:
+            module = importlib.import_module(name)
+            problem = module.unavailable() if hasattr(module, "unavailable") else None
+        except Exception as exc:  # a broken install raises more than ImportError
+            module, problem = None, f"cannot import its dependency ({type(exc).__name__}: {exc})"
+        _PROBED[name] = (None, problem) if problem else (module, None)
+    return _PROBED[name]
+
+
+def cuda_present() -> bool:
+    """Whether torch sees a CUDA device."""
     try:
         import torch
 
@@ -70,23 +98,56 @@ def _cuda_present() -> bool:
         return False
 
 
-def _auto_order() -> tuple[str, ...]:
-    return ("torch", "numba", "reference") if _cuda_present() else ("numba", "torch", "reference")
+def device_type() -> str:
+    """The device type ``auto`` prefers on this machine: ``"cuda"`` or ``"cpu"``."""
+    return "cuda" if cuda_present() else "cpu"
+
+
+def auto_order(component: str) -> list[str]:
+    """``component``'s backends that ``auto`` may pick on this machine, best first.
+
+    The order follows each module's ``AUTO_PRIORITY`` for this device; a module that
+    cannot be imported is ranked by the registry alone (its reason is reported anyway).
+    """
+    device = device_type()
+    ranked = []
+    for index, backend in enumerate(implementations(component)):
+        module, _ = load(component, backend)
+        priority = getattr(module, "AUTO_PRIORITY", {}).get(device) if module else 0
+        if backend == "reference":
+            priority = -1  # the end of every order
+        if priority is not None:
+            ranked.append((-priority, index, backend))
+    return [backend for *_, backend in sorted(ranked)]
 
 
 @dataclass
 class BackendInfo:
-    """What was chosen for each component and why; ``str()`` gives a readable report."""
+    """What was chosen for each component and why; ``str()`` gives a readable report.
+
+    ``registered`` maps each component to its registered backends; ``dependencies``
+    says, per backend, whether its modules load here.
+    """
 
     requested: str
     chosen: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, list[str]] = field(default_factory=dict)
+    registered: dict[str, list[str]] = field(default_factory=dict)
     dependencies: dict[str, str] = field(default_factory=dict)
+
+    def reselect(self) -> None:
+        """Redo the selection of every component (after the registry changed)."""
+        self.chosen.clear()
+        self.reasons.clear()
+        self.registered.clear()
+        for component in components():
+            self.registered[component] = implementations(component)
+            self.chosen[component], self.reasons[component] = select(component, self.requested)
 
     def __str__(self) -> str:
         lines = [f"leanstate backends ({ENV_VAR}={self.requested})"]
         for component, backend in self.chosen.items():
-            lines.append(f"  {component}: {backend}")
+            lines.append(f"  {component}: {backend} (registered: {', '.join(self.registered[component])})")
             lines.extend(f"    - {reason}" for reason in self.reasons[component])
         lines.append("  dependencies:")
         lines.extend(f"    {name}: {state}" for name, state in self.dependencies.items())
@@ -96,20 +157,19 @@ class BackendInfo:
 def select(component: str, requested: str) -> tuple[str, list[str]]:
     """Pick the backend for ``component`` given a request; returns (backend, reasons)."""
     reasons: list[str] = []
-    available = _IMPLEMENTATIONS[component]
+    order = auto_order(component)
+    known = backends()
     if requested == "auto":
-        order = _auto_order()
-        reasons.append(f"auto order here: {' > '.join(order)}")
-    elif requested in BACKENDS:
-        order = (requested, *(b for b in _auto_order() if b != requested))
+        reasons.append(f"auto order here ({device_type()}): {' > '.join(order)}")
+    elif requested in known:
+        order = [requested, *(b for b in order if b != requested)]
     else:
-        reasons.append(f"unknown backend {requested!r} (known: {', '.join(BACKENDS)}); using auto")
-        order = _auto_order()
+        reasons.append(f"unknown backend {requested!r} (known: {', '.join(known)}); using auto")
     for backend in order:
-        if backend not in available:
-            reasons.append(f"{backend}: no {backend} implementation of {component} yet")
+        if backend not in implementations(component):
+            reasons.append(f"{backend}: no {backend} implementation of {component}")
             continue
-        problem = _probe(backend)
+        _, problem = load(component, backend)
         if problem is not None:
             reasons.append(f"{backend}: {problem}")
             continue
@@ -118,51 +178,45 @@ def select(component: str, requested: str) -> tuple[str, list[str]]:
     raise AssertionError("the reference backend is always available")  # pragma: no cover
 
 
-def resolve(component: str, backend: str | None) -> tuple[str, str]:
+def resolve(component: str, backend: str | None) -> tuple[str, ModuleType]:
     """(backend name, module) implementing ``component``: the import-time choice or an explicit one.
 
     An explicit ``backend=`` that cannot serve raises ``ValueError`` saying why.
     """
     if backend is None:
-        name = _CHOSEN.chosen[component]
-        return name, _IMPLEMENTATIONS[component][name]
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend not in _IMPLEMENTATIONS[component]:
-        have = ", ".join(_IMPLEMENTATIONS[component])
+        backend = CHOSEN.chosen[component]
+    elif backend not in backends():
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(backends())}")
+    elif backend not in implementations(component):
+        have = ", ".join(implementations(component))
         raise ValueError(f"backend={backend!r} has no implementation of {component}; available: {have}")
-    problem = _probe(backend)
+    module, problem = load(component, backend)
     if problem is not None:
         raise ValueError(f"backend={backend!r} is unavailable here: {problem}")
-    return backend, _IMPLEMENTATIONS[component][backend]
-
-
-def _select_all() -> BackendInfo:
-    requested = os.environ.get(ENV_VAR, "auto").strip() or "auto"
-    info = BackendInfo(requested=requested)
-    for component in _IMPLEMENTATIONS:
-        info.chosen[component], info.reasons[component] = select(component, requested)
-    return info
+    return backend, module
 
 
 def backend_info() -> BackendInfo:
-    """Which backend each component uses, why, and the state of the optional dependencies.
+    """Which backend each component uses, why, and which backends load here.
 
     Example::
 
         >>> print(leanstate.backend_info())  # doctest: +SKIP
         leanstate backends (LEANSTATE_BACKEND=auto)
-          kv_store: reference
-            - auto order here: numba > torch > reference
-            - numba: no numba implementation of kv_store yet
-            - chose reference
+          kv_store: numba (registered: reference, numba, numba-cuda, torch)
+            - auto order here (cpu): numba > torch > reference
+            - chose numba
           ...
     """
-    for backend in BACKENDS[1:]:
-        problem = _probe(backend)
-        _CHOSEN.dependencies[backend] = "available" if problem is None else problem
-    _CHOSEN.dependencies["cuda"] = "present" if _cuda_present() else "absent"
-    return _CHOSEN
+    CHOSEN.dependencies.clear()
+    for (component, backend), _ in REGISTRY.items():
+        problem = load(component, backend)[1]
+        state = "available" if problem is None else problem
+        if CHOSEN.dependencies.get(backend, "available") == "available":
+            CHOSEN.dependencies[backend] = state
+    CHOSEN.dependencies["cuda"] = "present" if cuda_present() else "absent"
+    return CHOSEN
 
 
-_CHOSEN = _select_all()
+CHOSEN = BackendInfo(requested=os.environ.get(ENV_VAR, "auto").strip() or "auto")
+CHOSEN.reselect()

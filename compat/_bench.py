@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import leanstate
+from leanstate import _backends
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference.legacy_checkpoint import save_legacy_checkpoint
 
@@ -114,17 +115,17 @@ class CheckpointIO:
         self.store = filled_store(rows, dim, backend)
         self.backend, self.dim, self.chunk_bytes = backend, dim, chunk_bytes
         self.path = self.folder / "ckpt"
-        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=chunk_bytes, backend=backend)
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=chunk_bytes)
         self.bytes = np.fromfile(self.path / "t.rows", dtype=np.uint8)
         self.plain = self.folder / "plain.bin"
         plain_write(self.plain, self.bytes)
 
     def save(self) -> None:
-        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes, backend=self.backend)
+        save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes)
 
     def load(self) -> None:
         target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
-        load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes, backend=self.backend)
+        load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes)
 
     def write_plain(self) -> None:
         plain_write(self.plain, self.bytes)
@@ -295,7 +296,6 @@ def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
                 torch.optim.Adam,
                 parameters_as_bucket_view=True,
                 lr=1e-3,
-                backend="reference",
             )
         x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(rank))
         model(x).square().mean().backward()
@@ -406,29 +406,17 @@ def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_
         return json.loads(Path(out).read_text())
 
 
-# Targets: throughput of leanstate / throughput of the peer (1.0 = as fast), or for
-# memory the plain ratio of the two figures; None: reported, no target.
-TARGETS = {
-    "get": (">=", 0.8),
-    "set": (">=", 0.6),
-    "insert": (">=", 0.35),
-    "memory": ("<=", 1.1),
-    "save": (">=", 0.5),
-    "load": (">=", 0.5),
-    "sgd": (">=", 0.6),
-    "rowwise_adagrad": (">=", 1.0),
-}
-# The torch engine's targets on the CPU (torch ops, no compiled kernels): get only.
-TORCH_TARGETS = {"get": (">=", 0.3)}
+def _target(component: str, op: str, backend: str) -> tuple[str, float] | None:
+    """The target of ``op`` declared by ``backend``'s engine module of ``component``
+    (``BENCH_TARGETS``: throughput of leanstate / throughput of the peer, 1.0 = as fast,
+    or for memory the plain ratio of the two figures); None: reported, no target."""
+    module, _ = _backends.load(component, backend)
+    return getattr(module, "BENCH_TARGETS", {}).get(op)
 
 
-def _target(op: str, backend: str) -> tuple[str, float] | None:
-    """The target of ``op`` on ``backend``: none for the reference, torch's own for torch."""
-    if backend == "reference":
-        return None
-    if backend == "torch":
-        return TORCH_TARGETS.get(op)
-    return TARGETS[op]
+def _available(component: str) -> list[str]:
+    """The registered backends of ``component`` that load here (the bench runs each)."""
+    return [b for b in _backends.implementations(component) if _backends.load(component, b)[1] is None]
 
 
 def _met(ratio: float, target: tuple[str, float] | None) -> str:
@@ -436,6 +424,41 @@ def _met(ratio: float, target: tuple[str, float] | None) -> str:
         return "-"
     op, value = target
     return "yes" if (ratio >= value if op == ">=" else ratio <= value) else "no"
+
+
+def _line(component, measure, backend, ours, peer_name, peer, target, *, time=True) -> tuple:
+    """One row of the bench table: the ratio (a throughput ratio for times, the plain
+    ratio for sizes) beside the target and whether it is met."""
+    ratio = peer / ours if time else ours / peer
+    shown = "-" if target is None else f"{target[0]} {target[1]}"
+    return (component, measure, backend, ours, peer_name, peer, ratio, shown, _met(ratio, target))
+
+
+def store_figures(rows: int, dim: int, batch: int, backends: list[str] | None = None) -> list[tuple]:
+    """The store's rows of the bench table (get, set, insert, memory) for every available
+    store backend of the registry (or ``backends``), each beside the dense peer."""
+    lines = []
+    for name in _available("kv_store") if backends is None else backends:
+        kv = KVGetSet(rows, dim, batch, name)
+        for op, peer_name, ours, peer in (
+            ("get", "dense index_select", kv.get, kv.dense_get),
+            ("set", "dense index_copy_", kv.set, kv.dense_set),
+            ("insert", "dense index_copy_", kv.insert, kv.dense_set),
+        ):
+            times = best_times({"ours": ours, "peer": peer}, 5)
+            target = _target("kv_store", op, name)
+            lines.append(
+                _line(
+                    "kv_store", f"{op} {batch} ids s", name, times["ours"], peer_name, times["peer"], target
+                )
+            )
+        per_row = kv.store.memory_bytes() / len(kv.store)
+        target = _target("kv_store", "memory", name)
+        row_bytes = kv.store.layout.row_bytes
+        lines.append(
+            _line("kv_store", "memory bytes/row", name, per_row, "row bytes", row_bytes, target, time=False)
+        )
+    return lines
 
 
 def report(
@@ -455,46 +478,14 @@ def report(
     """
     import pandas as pd
 
-    from leanstate import _backends
-
     backend = backend or leanstate.backend_info().chosen["kv_store"]
     lines = []
 
     def add(component, measure, ours, peer_name, peer, target, *, time=True, name=backend):
-        ratio = peer / ours if time else ours / peer
-        shown = "-" if target is None else f"{target[0]} {target[1]}"
-        lines.append((component, measure, name, ours, peer_name, peer, ratio, shown, _met(ratio, target)))
+        lines.append(_line(component, measure, name, ours, peer_name, peer, target, time=time))
 
-    for name in _backends._IMPLEMENTATIONS["kv_store"]:
-        kv = KVGetSet(rows, dim, batch, name)
-        for op, peer_name, ours, peer in (
-            ("get", "dense index_select", kv.get, kv.dense_get),
-            ("set", "dense index_copy_", kv.set, kv.dense_set),
-            ("insert", "dense index_copy_", kv.insert, kv.dense_set),
-        ):
-            times = best_times({"ours": ours, "peer": peer}, 5)
-            add(
-                "kv_store",
-                f"{op} {batch} ids s",
-                times["ours"],
-                peer_name,
-                times["peer"],
-                _target(op, name),
-                name=name,
-            )
-        per_row = kv.store.memory_bytes() / len(kv.store)
-        add(
-            "kv_store",
-            "memory bytes/row",
-            per_row,
-            "row bytes",
-            kv.store.layout.row_bytes,
-            _target("memory", name),
-            time=False,
-            name=name,
-        )
-        del kv
-    for name in _backends._IMPLEMENTATIONS["checkpoint"]:
+    lines.extend(store_figures(rows, dim, batch))
+    for name in _available("kv_store"):
         io = CheckpointIO(rows, dim, name)
         try:
             times = best_times(
@@ -503,7 +494,7 @@ def report(
         finally:
             io.close()
         for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
-            target = TARGETS[op] if name != "reference" else None
+            target = _target("kv_store", op, name)
             add("checkpoint", f"{op} {rows} rows s", times[op], peer_name, times[peer], target, name=name)
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
@@ -580,7 +571,7 @@ def report(
         name="reference",
     )
     for name, (optimizer, peer) in itertools.product(
-        _backends._IMPLEMENTATIONS["embedding"], (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
+        _available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
     ):
         ours = EmbeddingStep("kv", optimizer, rows, dim, backend=name)
         dense = EmbeddingStep("dense", peer, rows, dim)
@@ -593,7 +584,7 @@ def report(
             times["ours"],
             f"EmbeddingBag(sparse)+{peer}",
             times["peer"],
-            _target(optimizer, name),
+            _target("embedding", optimizer, name),
             name=name,
         )
         del ours, dense

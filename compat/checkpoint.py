@@ -1,13 +1,14 @@
 """``leanstate.save_checkpoint`` / ``load_checkpoint``: the checkpoint I/O of the chosen backend.
 
-Every backend writes and reads the same format (``spec/checkpoint_format.md``): the
-reference streams chunk by chunk; the ``numba`` one overlaps the file I/O with the
-store's compiled calls. A checkpoint saved by one loads bit for bit with any other.
+Every backend writes and reads the same format (``spec/checkpoint_format.md``) through
+the stores' public methods (``keys``, ``get_rows(..., out=)``, ``set_rows``,
+``reserve``), so a checkpoint saved from a store of one backend loads bit for bit into
+a store of any other, on any device. The writer is pipelined by default (the gather of
+the next chunk overlaps the write of this one); ``pipelined=False`` is the plain loop.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,7 @@ from leanstate.reference.sharded_checkpoint import load_sharded, save_sharded
 
 
 def _module(backend: str | None):
-    return importlib.import_module(_backends.resolve("checkpoint", backend)[1])
+    return _backends.resolve("checkpoint", backend)[1]
 
 
 def save_checkpoint(
@@ -30,6 +31,7 @@ def save_checkpoint(
     extra: Mapping[str, object] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress | None = None,
+    pipelined: bool = True,
     process_group=None,
     backend: str | None = None,
 ) -> Path:
@@ -40,6 +42,7 @@ def save_checkpoint(
     views: a read-only optimizer view costs no bytes, its rows live in the whole rows).
     ``progress(table, rows_done, rows_total)`` is called after each chunk. A crash never
     leaves a half-written checkpoint at ``path`` and never destroys the previous one.
+    ``pipelined``: overlap the gather of the next chunk with the write of this one.
     Returns ``path``.
 
     With ``process_group`` (call on every rank) ``tables`` is a sharded module's
@@ -53,7 +56,7 @@ def save_checkpoint(
     if process_group is not None:
         return save_sharded(path, tables, process_group=process_group, extra=extra, chunk_bytes=chunk_bytes)
     return _module(backend).save_checkpoint(
-        path, tables, extra=extra, chunk_bytes=chunk_bytes, progress=progress
+        path, tables, extra=extra, chunk_bytes=chunk_bytes, progress=progress, pipelined=pipelined
     )
 
 

@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ import torch
 from torch import nn
 
 from leanstate import _backends
+from leanstate._bag_steps import Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate._rows import copy_rows
 from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
 from leanstate.reference.kv_tensor import KVTensor
@@ -43,11 +44,11 @@ class _FusedUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, bag, unique, inverse, offsets, per_sample_weights):
         ctx.bag, ctx.saved = bag, (unique, inverse, offsets, per_sample_weights)
-        return bag._engine.pool(unique, inverse, offsets, per_sample_weights, bag.mode == "mean")
+        return bag.engine.pool(unique, inverse, offsets, per_sample_weights, bag.mode == "mean")
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.bag._apply_gradient(*ctx.saved, grad_output.detach().contiguous())
+        apply_gradient(ctx.bag, *ctx.saved, grad_output.detach().contiguous())
         return (None,) * 6
 
 
@@ -66,15 +67,6 @@ def _check_number(name: str, value: object, *, low: float = 0.0, below: float | 
     ):
         raise ValueError(f"KVEmbeddingBag: invalid {name}: {value!r} (must be a finite number {bound})")
     return number
-
-
-def _check_ids(ids: object) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"KVEmbeddingBag: input must be a tensor of int64 ids; got {type(ids).__name__}")
-    if ids.dtype != torch.int64:
-        how = " (convert them with ids.to(torch.int64))" if not ids.dtype.is_floating_point else ""
-        raise TypeError(f"KVEmbeddingBag: input ids must be torch.int64; got {ids.dtype}{how}")
-    return ids
 
 
 class KVEmbeddingBag(nn.Module):
@@ -98,6 +90,8 @@ class KVEmbeddingBag(nn.Module):
             the output is float32 (FBGEMM's default); 16-bit rows store the float32
             optimizer state as its bytes (two elements per value).
         num_shards, init_range, seed, clock: of the store(s).
+        device: where the rows live (``KVStore``'s ``device``); ids, offsets, outputs and
+            gradients of a batch live there too.
         backend: of the store and the embedding engine; default the import-time choice.
 
     ``stats`` counts, over all forwards: ``batches``, ``ids`` (positions), ``padding_ids``
@@ -126,6 +120,7 @@ class KVEmbeddingBag(nn.Module):
         init_range: tuple[float, float] = (-0.01, 0.01),
         seed: int = 0,
         clock=None,
+        device: torch.device | str | None = None,
         backend: str | None = None,
     ) -> None:
         super().__init__()
@@ -164,7 +159,8 @@ class KVEmbeddingBag(nn.Module):
             num_embeddings=num_embeddings, embedding_dim=embedding_dim, mode=mode, optimizer=optimizer,
             lr=lr, eps=eps, betas=betas, weight_decay=weight_decay,
             optimizer_offloading=optimizer_offloading, return_whole_row=return_whole_row, dtype=dtype,
-            num_shards=num_shards, init_range=init_range, seed=seed, clock=clock, backend=name,
+            num_shards=num_shards, init_range=init_range, seed=seed, clock=clock, device=device,
+            backend=name,
         )  # fmt: skip
         self.backend = name
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
@@ -174,9 +170,9 @@ class KVEmbeddingBag(nn.Module):
         self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
         self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
         self.stats = {"batches": 0, "ids": 0, "padding_ids": 0, "unique_ids": 0}
-        common = dict(num_shards=num_shards, seed=seed, clock=clock, backend=name)
+        common = dict(num_shards=num_shards, seed=seed, clock=clock, device=device, backend=name)
         if optimizer_offloading:
-            state_elems = state_elements(optimizer, embedding_dim, dtype)
+            state_elems = state_width = state_elements(optimizer, embedding_dim, dtype)
             self.store = KVStore(
                 embedding_dim, optimizer_state_dim=state_elems, dtype=dtype, init_range=init_range, **common
             )
@@ -184,23 +180,35 @@ class KVEmbeddingBag(nn.Module):
             state_start = self.store.layout.state_offset
         else:
             self.store = KVStore(embedding_dim, dtype=dtype, init_range=init_range, **common)
-            state_floats = state_elements(optimizer, embedding_dim, torch.float32)
+            state_floats = state_width = state_elements(optimizer, embedding_dim, torch.float32)
             self.state_store = (
                 KVStore(state_floats, init_range=(0.0, 0.0), **common) if state_floats else None
             )
             state_start = self.state_store.layout.header_elems if self.state_store is not None else 0
-        self._engine = importlib.import_module(module).EmbeddingEngine(
-            self.store._engine,
-            None if self.state_store is None else self.state_store._engine,
+        self._engine = module.EmbeddingEngine(
+            self.store.engine,
+            None if self.state_store is None else self.state_store.engine,
             state_start=state_start,
+            state_width=state_width,
             optimizer=optimizer,
         )
+
+    @property
+    def engine(self):
+        """The embedding engine of this bag's backend (``spec/backends.md``): ``pool``,
+        ``pool_rows``, ``row_gradients`` and ``update`` over the bag's store engines."""
+        return self._engine
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows, the ids of a batch, the output and the gradients live."""
+        return self.store.device
 
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer!r}, "
             f"lr={self.lr}, dtype={self.dtype}, optimizer_offloading={self.optimizer_offloading}, "
-            f"rows={len(self.store)}, backend={self.backend!r}"
+            f"rows={len(self.store)}, backend={self.backend!r}, device={str(self.device)!r}"
         )
 
     def __deepcopy__(self, memo: dict) -> KVEmbeddingBag:
@@ -208,9 +216,9 @@ class KVEmbeddingBag(nn.Module):
         memo[id(self)] = clone
         clone.train(self.training)
         clone.optimizer_step, clone.stats = self.optimizer_step, dict(self.stats)
-        clone.store._copy_rows_from(self.store)
+        copy_rows(self.store, clone.store)
         if self.state_store is not None:
-            clone.state_store._copy_rows_from(self.state_store)
+            copy_rows(self.state_store, clone.state_store)
         return clone
 
     # -- forward ----------------------------------------------------------------------
@@ -228,108 +236,11 @@ class KVEmbeddingBag(nn.Module):
         mode only) has ``input``'s shape. Negative ids are padding: they add nothing, do
         not count in a mean, and are counted in ``stats["padding_ids"]``.
         """
-        unique, inverse, ends, per_sample_weights = self._prepare(input, offsets, per_sample_weights)
+        unique, inverse, ends, per_sample_weights = prepare(self, input, offsets, per_sample_weights)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
         return _FusedUpdate.apply(anchor, self, unique, inverse, ends, per_sample_weights)
 
-    def _prepare(self, input, offsets, per_sample_weights):
-        """(distinct ids, inverse, bag ends [B + 1], weights or None) with padding removed;
-        every argument checked, and ``stats`` counted."""
-        ids, offsets, per_sample_weights = self._normalise(input, offsets, per_sample_weights)
-        ends = torch.cat([offsets, torch.tensor([len(ids)])])
-        keep = ids >= 0
-        padding = len(ids) - int(keep.sum())
-        if padding:
-            bag = torch.repeat_interleave(torch.arange(len(offsets)), torch.diff(ends), output_size=len(ids))
-            kept = torch.bincount(bag[keep], minlength=len(offsets))
-            ends = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
-            ids = ids[keep]
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights[keep]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        self.stats["batches"] += 1
-        self.stats["ids"] += len(ids) + padding
-        self.stats["padding_ids"] += padding
-        self.stats["unique_ids"] += len(unique)
-        return unique, inverse, ends, per_sample_weights
-
-    def _normalise(self, input, offsets, per_sample_weights):
-        """(1-D CPU ids, int64 offsets [B], float32 weights or None), every argument checked."""
-        ids = _check_ids(input)
-        if ids.dim() == 2:
-            if offsets is not None:
-                raise ValueError("KVEmbeddingBag: offsets must be None for 2-D input (each row is one bag)")
-            offsets = torch.arange(0, ids.numel(), max(1, ids.shape[1]), dtype=torch.int64)[: ids.shape[0]]
-            if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
-                raise ValueError(
-                    f"KVEmbeddingBag: per_sample_weights has shape {tuple(per_sample_weights.shape)}; "
-                    f"input has {tuple(ids.shape)}"
-                )
-            ids = ids.reshape(-1)
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.reshape(-1)
-        elif ids.dim() == 1:
-            if offsets is None:
-                raise ValueError(
-                    "KVEmbeddingBag: offsets is required for 1-D input: the start of each bag, e.g. "
-                    "torch.tensor([0, 2]) for bags input[0:2] and input[2:]; or pass 2-D input [B, L]"
-                )
-            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype.is_floating_point:
-                raise TypeError("KVEmbeddingBag: offsets must be a 1-D integer tensor")
-        else:
-            raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
-        ids, offsets = ids.cpu().contiguous(), offsets.cpu().to(torch.int64)
-        if len(offsets) and (
-            int(offsets[0]) != 0 or bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > len(ids)
-        ):
-            raise ValueError(
-                f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
-                f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
-            )
-        if not len(offsets) and len(ids):
-            raise ValueError(f"KVEmbeddingBag: offsets is empty but input holds {len(ids)} ids")
-        if self.num_embeddings is not None and len(ids):
-            outside = ids >= self.num_embeddings
-            if bool(outside.any()):
-                bad = int(ids[outside][0])
-                raise ValueError(
-                    f"KVEmbeddingBag: id {bad} is outside [0, num_embeddings={self.num_embeddings}); "
-                    "pass num_embeddings=None for hashed ids (negative ids are padding)"
-                )
-        if per_sample_weights is not None:
-            if self.mode != "sum":
-                raise ValueError("KVEmbeddingBag: per_sample_weights is only supported with mode='sum'")
-            if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != ids.shape:
-                raise ValueError(
-                    f"KVEmbeddingBag: per_sample_weights must be a tensor of input's shape {tuple(ids.shape)}"
-                )
-            per_sample_weights = per_sample_weights.detach().cpu().to(torch.float32).contiguous()
-        return ids, offsets, per_sample_weights
-
     # -- the fused optimizer ------------------------------------------------------------
-
-    def _apply_gradient(
-        self, unique, inverse, offsets, per_sample_weights, grad_output, *, mean=None
-    ) -> None:
-        """Update the rows of the distinct ``unique`` ids from the pooled output's gradient.
-
-        ``mean``: whether the bags were means (default: this bag's mode).
-        """
-        self.optimizer_step += 1
-        beta1, beta2 = self.betas
-        self._engine.update(
-            unique,
-            inverse,
-            offsets,
-            per_sample_weights,
-            self.mode == "mean" if mean is None else mean,
-            grad_output.cpu().to(torch.float32),
-            hyperparameters=dict(
-                lr=self.lr, eps=self.eps, beta1=beta1, beta2=beta2, weight_decay=self.weight_decay
-            ),
-            step=self.optimizer_step,
-            now=self.store._now(),
-        )
 
     # -- state ----------------------------------------------------------------------
 
@@ -462,26 +373,6 @@ class KVTableConfig:
         self.pooling = _pooling(self.pooling)
         self.data_type = _data_type(self.data_type)
 
-    def _build(self, *, clock, backend: str | None) -> KVEmbeddingBag:
-        return KVEmbeddingBag(
-            self.num_embeddings,
-            self.embedding_dim,
-            mode=self.pooling,
-            optimizer=self.optimizer,
-            lr=self.lr,
-            eps=self.eps,
-            betas=self.betas,
-            weight_decay=self.weight_decay,
-            optimizer_offloading=self.optimizer_offloading,
-            return_whole_row=self.return_whole_row,
-            dtype=self.data_type,
-            num_shards=self.num_shards,
-            init_range=(self.weight_init_min, self.weight_init_max),
-            seed=self.seed,
-            clock=clock,
-            backend=backend,
-        )
-
 
 class KeyedJaggedTensor:
     """TorchRec's KeyedJaggedTensor, as much of it as the collection reads.
@@ -579,82 +470,6 @@ class KeyedTensor:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
 
 
-def _jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked."""
-    keys, values = list(features.keys()), features.values()
-    if hasattr(features, "lengths"):
-        lengths = features.lengths()
-    else:
-        lengths = torch.diff(features.offsets())
-    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
-    lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
-    if not keys:
-        raise ValueError("KVEmbeddingBagCollection: the features have no keys")
-    if lengths.dim() != 1 or len(lengths) % len(keys):
-        raise ValueError(
-            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
-            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
-        )
-    if bool((lengths < 0).any()) or int(lengths.sum()) != len(values):
-        raise ValueError(
-            f"KVEmbeddingBagCollection: lengths must be >= 0 and sum to len(values)={len(values)}; "
-            f"they sum to {int(lengths.sum())}"
-        )
-    if weights is not None and len(weights) != len(values):
-        raise ValueError(
-            f"KVEmbeddingBagCollection: weights_or_none() has {len(weights)} entries; values has {len(values)}"
-        )
-    return keys, values, lengths, weights
-
-
-def _table_inputs(features, table_features: Mapping[str, list[str]]):
-    """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
-    one after the other, in the table's feature order, from a KeyedJaggedTensor-like."""
-    keys, values, lengths, weights = _jagged_parts(features)
-    wanted = [f for names in table_features.values() for f in names]
-    unknown = [k for k in keys if k not in wanted]
-    missing = [k for k in wanted if k not in keys]
-    if unknown or missing:
-        raise KeyError(
-            f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
-        )
-    batch = len(lengths) // len(keys)
-    ends = torch.cumsum(lengths, 0)
-    starts = ends - lengths
-    position = {key: k for k, key in enumerate(keys)}
-    inputs = {}
-    for table, names in table_features.items():
-        parts, part_weights, part_lengths = [], [], []
-        for name in names:
-            k = position[name]
-            first = int(starts[k * batch]) if batch else 0
-            last = int(ends[(k + 1) * batch - 1]) if batch else 0
-            parts.append(values[first:last])
-            part_lengths.append(lengths[k * batch : (k + 1) * batch])
-            if weights is not None:
-                part_weights.append(weights[first:last])
-        table_lengths = torch.cat(part_lengths)
-        offsets = torch.cumsum(table_lengths, 0) - table_lengths
-        inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
-    return batch, inputs
-
-
-class _Tables(nn.Module):
-    """The collection's bags by table name: ``tables[name]``.
-
-    Not an ``nn.ModuleDict``, whose own methods would forbid tables named ``items``,
-    ``keys``, ``values`` or ``update``.
-    """
-
-    def __init__(self, bags: Mapping[str, KVEmbeddingBag]) -> None:
-        super().__init__()
-        for name, bag in bags.items():
-            self.add_module(name, bag)
-
-    def __getitem__(self, name: str) -> KVEmbeddingBag:
-        return self._modules[name]
-
-
 class KVEmbeddingBagCollection(nn.Module):
     """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
 
@@ -696,14 +511,14 @@ class KVEmbeddingBagCollection(nn.Module):
             names = [c.name for c in configs]
             if len(set(names)) != len(names):
                 raise ValueError(f"KVEmbeddingBagCollection: table names must be unique; got {names}")
-            bags = {c.name: c._build(clock=clock, backend=backend) for c in configs}
+            bags = {c.name: build_bag(c, clock=clock, backend=backend) for c in configs}
             features = {c.name: c.feature_names for c in configs}
         if not bags:
             raise ValueError("KVEmbeddingBagCollection: no tables")
         everything = [f for names in features.values() for f in names]
         if len(set(everything)) != len(everything):
             raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
-        self.embedding_bags = _Tables(bags)
+        self.embedding_bags = Tables(bags)
         self._table_features = features
 
     def feature_names(self) -> list[str]:
@@ -712,7 +527,7 @@ class KVEmbeddingBagCollection(nn.Module):
 
     def forward(self, features) -> KeyedTensor:
         """Pool each feature of ``features`` in its table; a :class:`KeyedTensor`."""
-        batch, inputs = _table_inputs(features, self._table_features)
+        batch, inputs = table_inputs(features, self._table_features)
         pooled, dims = [], []
         for table, (ids, offsets, weights) in inputs.items():
             bag = self.embedding_bags[table]

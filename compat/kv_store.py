@@ -1,15 +1,14 @@
 """``leanstate.KVStore``: the store's front class, one validation layer over any engine.
 
 The front class owns the arguments: it checks them once (a clear error naming the
-method and the argument, raised before anything is written), normalises them (ids on
-the CPU, the clock read once per call, columns counted from the start of the row) and
-hands each batch to one method of the engine of the chosen backend
-(``spec/backends.md``). Engines never validate and never see Python lists.
+method and the argument, raised before anything is written), normalises them (ids and
+values on the store's device, the clock read once per call, columns counted from the
+start of the row) and hands each batch to one method of the engine of the chosen
+backend (``spec/backends.md``). Engines never validate and never see Python lists.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
+from leanstate._rows import copy_rows
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
 MAX_SHARDS = 2**16
@@ -38,13 +38,17 @@ class KVStore:
         optimizer_state_dim: optimizer-state elements per row (S), 0 for none.
         dtype: element type of the rows: float32, float16 or bfloat16.
         num_shards: number of shards, in ``[1, 65536]``; an id's shard is
-            ``leanstate.reference.hashing.shard_of``.
+            ``leanstate.reference.hashing.shard_of``. The reference engine keeps one
+            dict and one lock per shard; the accelerated engines record it only (one
+            table serves every id, and one call already runs on every core).
         init_range: (low, high) of the uniform initial weights of missing ids.
         seed: seed of the initial weights; with ``init_range`` it fixes every bit.
         clock: callable returning the time in whole seconds (``time.time`` by default);
             stamped into the header by ``set``.
-        device: where the rows live; the CPU engines take ``None`` or ``"cpu"``.
-        backend: ``"reference"`` or ``"numba"``; default the import-time choice
+        device: where the rows live (default the CPU); the backend must run there
+            (its module's ``DEVICES``): ``torch`` and ``numba-cuda`` keep rows, ids and
+            results on a CUDA device.
+        backend: a registered backend name; default the import-time choice
             (``leanstate.backend_info()``).
 
     Example::
@@ -94,18 +98,32 @@ class KVStore:
             raise TypeError(f"KVStore: seed must be an int; got {seed!r}")
         if clock is not None and not callable(clock):
             raise TypeError(f"KVStore: clock must be a callable returning seconds, or None; got {clock!r}")
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"KVStore: device={device!r}: the CPU engines keep rows on the CPU")
         name, module = _backends.resolve("kv_store", backend)
+        try:
+            device = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"KVStore: device={device!r} is not a torch device") from exc
+        if device.type not in module.DEVICES:
+            raise ValueError(
+                f"KVStore: device={str(device)!r}: the {name} engine runs on {', '.join(module.DEVICES)}; "
+                f"pass another device or backend"
+            )
+        self.device = device
         self.layout = layout
         self.num_shards = num_shards
         self.init_range = (low, high)
         self.seed = seed
         self.clock = clock if clock is not None else _system_clock
         self.backend = name
-        self._engine = importlib.import_module(module).KVStoreEngine(
-            layout, num_shards=num_shards, init_range=self.init_range, seed=seed
+        self._engine = module.KVStoreEngine(
+            layout, num_shards=num_shards, init_range=self.init_range, seed=seed, device=device
         )
+
+    @property
+    def engine(self):
+        """The engine of this store's backend: its row-access interface (``spec/backends.md``)
+        is how the embedding engines reach the rows."""
+        return self._engine
 
     # -- properties ----------------------------------------------------------------
 
@@ -131,7 +149,7 @@ class KVStore:
         return (
             f"KVStore(dim={self.dim}, optimizer_state_dim={self.optimizer_state_dim}, "
             f"dtype={self.dtype}, num_shards={self.num_shards}, rows={len(self)}, "
-            f"width={self.layout.width}, backend={self.backend!r})"
+            f"width={self.layout.width}, backend={self.backend!r}, device={str(self.device)!r})"
         )
 
     def __reduce__(self):
@@ -150,17 +168,12 @@ class KVStore:
             init_range=self.init_range,
             seed=self.seed,
             clock=self.clock,
+            device=self.device,
             backend=self.backend,
         )
         memo[id(self)] = clone
-        clone._copy_rows_from(self)
+        copy_rows(self, clone)
         return clone
-
-    def _copy_rows_from(self, other: KVStore, chunk_rows: int = 65536) -> None:
-        """Write every row of ``other`` here, whole rows by header key, a chunk at a time."""
-        keys = other.keys()
-        for start in range(0, len(keys), chunk_rows):
-            self.set_rows(other.get_rows(keys[start : start + chunk_rows]))
 
     def memory_bytes(self) -> int:
         """Bytes the store holds: row pools plus the id maps and free lists."""
@@ -182,7 +195,7 @@ class KVStore:
             raise ValueError(
                 f"{method}: {argument} must be a dense tensor with data; got {ids.layout} on {ids.device}"
             )
-        return ids.cpu().contiguous()
+        return ids.to(self.device).contiguous()
 
     def _check_columns(self, method: str, width_offset: object, width: object) -> tuple[int, int]:
         total = self.layout.value_width
@@ -223,12 +236,27 @@ class KVStore:
         if values.layout != torch.strided or values.device.type == "meta":
             raise ValueError(f"{method}: {argument} must be a dense tensor with data")
         # A fresh, aligned copy when needed: engines read rows as int64 words.
-        values = values.cpu()
+        values = values.to(self.device)
         if not values.is_contiguous() or values.storage_offset() % (8 // values.element_size() or 1):
             values = values.clone(memory_format=torch.contiguous_format)
         return values
 
-    def _now(self) -> int:
+    def _check_out(self, method: str, out: object, rows: int, width: int) -> torch.Tensor:
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.shape != (rows, width)
+            or out.dtype != self.dtype
+            or not out.is_contiguous()
+            or out.storage_offset() % (8 // out.element_size() or 1)
+        ):
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"{method}: out must be a contiguous [{rows}, {width}] tensor of dtype {self.dtype}; got {got}"
+            )
+        return out
+
+    def now(self) -> int:
+        """The store's clock, read once: whole seconds in ``[0, 2**32)`` (stamped by writes)."""
         now = int(self.clock())
         if not 0 <= now <= TIMESTAMP_MAX:
             raise ValueError(f"clock() returned {now}, outside the uint32 seconds range")
@@ -236,33 +264,50 @@ class KVStore:
 
     # -- reads ---------------------------------------------------------------------
 
-    def get(self, ids: torch.Tensor, *, width_offset: int = 0, width: int | None = None) -> torch.Tensor:
+    def get(
+        self,
+        ids: torch.Tensor,
+        *,
+        width_offset: int = 0,
+        width: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Columns ``[width_offset, width_offset + width)`` after the header, one row per id.
 
         Missing ids give their initial row (not inserted); negative ids give zeros.
+        ``out``: a contiguous ``[len(ids), width]`` tensor of the store's dtype to fill and
+        return instead of a new one (as torch's ``out=``); it may live on another device.
         """
         ids = self._check_ids(ids, "KVStore.get")
         width_offset, width = self._check_columns("KVStore.get", width_offset, width)
         start = self.layout.header_elems + width_offset
-        return self._engine.gather(ids, start=start, width=width, initial=True)
+        if out is not None:
+            out = self._check_out("KVStore.get", out, len(ids), width)
+        return self._gather(ids, start, width, True, out)
 
-    def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Whole rows ``[N, width]`` with headers; missing and negative ids give zeros."""
+    def get_rows(self, ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole rows ``[N, width]`` with headers; missing and negative ids give zeros.
+
+        ``out``: as for :meth:`get` (a checkpoint save reuses one host buffer per chunk).
+        """
         ids = self._check_ids(ids, "KVStore.get_rows")
-        return self._engine.gather(ids, start=0, width=self.layout.width, initial=False)
+        if out is not None:
+            out = self._check_out("KVStore.get_rows", out, len(ids), self.layout.width)
+        return self._gather(ids, 0, self.layout.width, False, out)
 
-    def _reserve(self, rows: int) -> None:
-        """Make room for ``rows`` more rows at once (a capacity hint; results never change)."""
+    def _gather(self, ids, start: int, width: int, initial: bool, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None or out.device == self.device:
+            return self._engine.gather(ids, start=start, width=width, initial=initial, out=out)
+        return out.copy_(self._engine.gather(ids, start=start, width=width, initial=initial))
+
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` more rows now (a capacity hint: no result changes).
+
+        A checkpoint load reserves its table's rows first, so the store grows once.
+        """
+        if not _is_int(rows) or rows < 0:
+            raise ValueError(f"KVStore.reserve: rows must be an int >= 0; got {rows!r}")
         self._engine.reserve(int(rows))
-
-    def _get_rows_into(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``get_rows`` into ``out`` (contiguous ``[len(ids), width]``): a reused buffer, no allocation."""
-        ids = self._check_ids(ids, "KVStore.get_rows")
-        if out.shape != (len(ids), self.layout.width) or out.dtype != self.dtype or not out.is_contiguous():
-            raise ValueError(
-                f"KVStore.get_rows: out must be a contiguous [{len(ids)}, {self.layout.width}] tensor"
-            )
-        return self._engine.gather(ids, start=0, width=self.layout.width, initial=False, out=out)
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool tensor: which ids have a row (negative ids never do)."""
@@ -303,7 +348,7 @@ class KVStore:
         values = self._check_values(
             method, "values", values, len(ids), self.layout.value_width - width_offset
         )
-        now = self._now()
+        now = self.now()
         self._engine.scatter(ids, values, start=self.layout.header_elems + width_offset, now=now)
 
     def set_rows(self, rows: torch.Tensor) -> None:
@@ -347,7 +392,7 @@ class KVStore:
             isinstance(min_l2_norm, bool) or not isinstance(min_l2_norm, int | float) or not min_l2_norm >= 0
         ):
             raise ValueError(f"KVStore.evict: min_l2_norm must be a number >= 0 or None; got {min_l2_norm!r}")
-        now = self._now() if max_age_s is not None else 0
+        now = self.now() if max_age_s is not None else 0
         # Thresholds past every count, age or size mean the same as those bounds (and fit int64).
         return self._engine.evict(
             min_count=None if min_count is None else min(int(min_count), COUNT_MAX + 1),

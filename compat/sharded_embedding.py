@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanstate.embedding import KeyedTensor, KVTableConfig, _table_inputs, _Tables
+from leanstate._bag_steps import Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate.embedding import KeyedTensor, KVTableConfig
 from leanstate.reference.sharded_checkpoint import BucketedTable
 from leanstate.reference.sharding import bucket_owner, bucket_range
 
@@ -58,7 +59,7 @@ class _ShardedLookup(torch.autograd.Function):
             rows, plan = module._fetch(table, unique)
             ctx.plans.append(plan)
             bag = module.embedding_bags[table]
-            outputs.append(bag._engine.pool_rows(rows, inverse, ends, weights, bag.mode == "mean"))
+            outputs.append(bag.engine.pool_rows(rows, inverse, ends, weights, bag.mode == "mean"))
         return tuple(outputs)
 
     @staticmethod
@@ -120,7 +121,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         # The exchange runs where the group's backend moves data: NCCL moves CUDA tensors only.
         nccl = dist.get_backend(self.process_group) == "nccl"
         self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.embedding_bags = _Tables({c.name: c._build(clock=clock, backend=backend) for c in configs})
+        self.embedding_bags = Tables({c.name: build_bag(c, clock=clock, backend=backend) for c in configs})
         self._table_features = {c.name: c.feature_names for c in configs}
         # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
         self.bucketing = {
@@ -157,9 +158,9 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
 
     def forward(self, features) -> KeyedTensor:
         """Pool this rank's batch; rows come from (and gradients go to) their owners."""
-        batch, inputs = _table_inputs(features, self._table_features)
+        batch, inputs = table_inputs(features, self._table_features)
         prepared = {
-            table: self.embedding_bags[table]._prepare(ids, offsets, weights)
+            table: prepare(self.embedding_bags[table], ids, offsets, weights)
             for table, (ids, offsets, weights) in inputs.items()
         }
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
@@ -221,9 +222,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         recv_counts = self._all_to_all(send_counts, torch.ones(self.world_size, dtype=torch.int64),
                                        torch.ones(self.world_size, dtype=torch.int64))  # fmt: skip
         recv_ids = self._all_to_all(unique[order], send_counts, recv_counts)
-        served = bag.store._engine.gather(
-            recv_ids, start=layout.weight_offset, width=layout.dim, initial=True
-        )
+        served = bag.store.get(recv_ids, width=layout.dim)
         # rows travel as their bytes: every collective backend moves uint8, not every one bfloat16
         back = self._all_to_all(served.view(torch.uint8), recv_counts, send_counts).view(layout.dtype)
         rows = torch.empty_like(back)
@@ -234,9 +233,9 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
     def _push_gradients(self, table, unique, inverse, ends, weights, plan: _Plan, grad_output) -> None:
         """Send each distinct id's gradient to its owner, who sums and applies them."""
         bag = self.embedding_bags[table]
-        grad = bag._engine.row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
+        grad = bag.engine.row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
         received = self._all_to_all(grad[plan.order], plan.send_counts, plan.recv_counts)
         # received rows are in (source rank, position) order: each its own one-row bag
         owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)
         positions = torch.arange(len(received) + 1, dtype=torch.int64)
-        bag._apply_gradient(owned, owned_inverse, positions, None, received, mean=False)
+        apply_gradient(bag, owned, owned_inverse, positions, None, received, mean=False)

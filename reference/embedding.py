@@ -32,6 +32,9 @@ import torch
 from leanstate.reference.kv_store import KVStoreEngine
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+DEVICES = ("cpu",)
+AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
+BENCH_TARGETS: dict[str, tuple[str, float]] = {}
 
 
 def state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:
@@ -166,18 +169,24 @@ class EmbeddingEngine:
         weights: the store engine holding the weights (and the state when offloaded).
         state: the store engine holding the optimizer state when not offloaded, else None.
         state_start: the first state column (from the start of the row) in its store.
+        state_width: the state's columns in its store (``state_elements`` of its dtype).
         optimizer: one of ``OPTIMIZERS``.
     """
 
     backend = "reference"
 
     def __init__(
-        self, weights: KVStoreEngine, state: KVStoreEngine | None, *, state_start: int, optimizer: str
+        self,
+        weights: KVStoreEngine,
+        state: KVStoreEngine | None,
+        *,
+        state_start: int,
+        state_width: int,
+        optimizer: str,
     ) -> None:
-        self.weights, self.state, self.state_start = weights, state, state_start
+        self.weights, self.state = weights, state
+        self.state_start, self.state_width = state_start, state_width
         self.rule = RULES[optimizer]
-        holder = weights if state is None else state
-        self.state_width = state_elements(optimizer, weights.layout.dim, holder.layout.dtype)
 
     def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
         """``pool_rows`` on given rows [U, D] (e.g. rows received from their owners)."""

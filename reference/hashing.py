@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 MASK64 = 2**64 - 1
 FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
+SPLITMIX_GOLDEN = 0x9E3779B97F4A7C15
+SPLITMIX_MIX1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MIX2 = 0x94D049BB133111EB
 INIT_BITS = 24  # mantissa bits drawn per value: exact in float32, float16 rounds
 
 
@@ -44,9 +44,9 @@ def shard_of(key: int, num_shards: int) -> int:
 
 def splitmix64(x: int) -> int:
     """SplitMix64's output function of state ``x`` (increment, then mix)."""
-    z = (x + _GOLDEN) & MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & MASK64
+    z = (x + SPLITMIX_GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * SPLITMIX_MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * SPLITMIX_MIX2) & MASK64
     return z ^ (z >> 31)
 
 
@@ -105,9 +105,9 @@ def shards_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
 def _splitmix64_np(x: np.ndarray) -> np.ndarray:
     import numpy as np
 
-    z = x + _u64(_GOLDEN)
-    z = (z ^ (z >> np.uint64(30))) * _u64(_MIX1)
-    z = (z ^ (z >> np.uint64(27))) * _u64(_MIX2)
+    z = x + _u64(SPLITMIX_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * _u64(SPLITMIX_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * _u64(SPLITMIX_MIX2)
     return z ^ (z >> np.uint64(31))
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Protocol
 
 import torch
@@ -41,6 +42,9 @@ from leanstate.reference.row_format import (
 )
 
 ROWS_PER_CHUNK = 1024
+DEVICES = ("cpu",)
+AUTO_PRIORITY = {"cpu": 0, "cuda": 0}  # always available, always last
+BENCH_TARGETS: dict[str, tuple[str, float]] = {}  # reported beside the peers, no targets
 _USED = torch.iinfo(torch.int64).min  # bit 63 of the metadata word
 
 
@@ -136,6 +140,7 @@ class KVStoreEngine:
         num_shards: number of shards; an id's shard is ``hashing.shard_of``.
         init_range: (low, high) of the initial weights of missing ids.
         seed: seed of the initial weights.
+        device: the CPU (rows live in host memory).
 
     Every method takes already-validated tensors on the CPU: ids 1-D int64, values of
     the layout's dtype. Column ``start`` counts from the start of the row (header included).
@@ -144,7 +149,13 @@ class KVStoreEngine:
     backend = "reference"
 
     def __init__(
-        self, layout: RowLayout, *, num_shards: int, init_range: tuple[float, float], seed: int
+        self,
+        layout: RowLayout,
+        *,
+        num_shards: int,
+        init_range: tuple[float, float],
+        seed: int,
+        device: torch.device | None = None,
     ) -> None:
         self.layout = layout
         self.num_shards = num_shards
@@ -189,6 +200,53 @@ class KVStoreEngine:
         )
         header_words(rows)[:, 0] = ids
         return rows
+
+    # -- row access (spec/backends.md): blocks are handles ``block * num_shards + shard`` --
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold every shard's lock (in shard order) for a sequence of row-access calls."""
+        with ExitStack() as locks:
+            for shard in self._shards:
+                locks.enter_context(shard.lock)
+            yield
+
+    writing = reading  # a dict shard has one lock for readers and writers
+
+    def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
+        """The block handle of each id, -1 where missing (or negative); call under the lock.
+
+        ``insert=True`` inserts the missing non-negative ids (distinct) with their initial
+        rows and header ``(key, used)``.
+        """
+        handles = torch.full((len(ids),), -1, dtype=torch.int64)
+        for shard, positions, keys in self._by_shard(ids):
+            blocks = shard.lookup(keys)
+            missing = blocks < 0
+            if insert and missing.any():
+                blocks[missing] = shard.insert(keys[missing])
+                rows = self.initial_rows(keys[missing])
+                header_words(rows)[:, 1] = _USED
+                shard.write(blocks[missing], rows)
+            index = self._shards.index(shard)
+            handles[positions] = torch.where(blocks >= 0, blocks * self.num_shards + index, -1)
+        return handles
+
+    def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole rows ``[N, width]`` (a copy) of present block handles; call under the lock."""
+        out = torch.empty(len(blocks), self.layout.width, dtype=self.layout.dtype)
+        for s, shard in enumerate(self._shards):
+            mine = torch.nonzero(blocks % self.num_shards == s).flatten()
+            if len(mine):
+                out[mine] = shard.read(blocks[mine] // self.num_shards)
+        return out
+
+    def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write whole rows at present block handles (distinct); call under the lock."""
+        for s, shard in enumerate(self._shards):
+            mine = torch.nonzero(blocks % self.num_shards == s).flatten()
+            if len(mine):
+                shard.write(blocks[mine] // self.num_shards, rows[mine])
 
     # -- reads ---------------------------------------------------------------------
 
@@ -350,6 +408,7 @@ class KVStore(Protocol):
     def __len__(self) -> int: ...
     def get(self, ids: torch.Tensor, *, width_offset: int = 0, width: int | None = None) -> torch.Tensor: ...
     def set(self, ids: torch.Tensor, values: torch.Tensor, *, width_offset: int = 0) -> None: ...
-    def get_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def get_rows(self, ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def set_rows(self, rows: torch.Tensor) -> None: ...
     def keys(self) -> torch.Tensor: ...
+    def reserve(self, rows: int) -> None: ...

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -51,7 +52,8 @@ class RowLayout:
     """Column offsets of one row, in elements of ``dtype``.
 
     ``dim`` weight elements are padded to ``pad4(dim)``; ``state_dim`` optimizer
-    elements are padded to ``pad4(state_dim)`` (zero when there is no state).
+    elements are padded to ``pad4(state_dim)`` (zero when there is no state). The
+    derived fields are computed once, on first use (hot paths read them per call).
     """
 
     dim: int
@@ -71,43 +73,43 @@ class RowLayout:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return cls(dim, -(-state_bytes // itemsize), dtype)
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @cached_property
     def header_elems(self) -> int:
         return HEADER_BYTES // self.itemsize
 
-    @property
+    @cached_property
     def padded_dim(self) -> int:
         return pad4(self.dim)
 
-    @property
+    @cached_property
     def padded_state_dim(self) -> int:
         return pad4(self.state_dim)
 
-    @property
+    @cached_property
     def weight_offset(self) -> int:
         """First weight column, counted from the start of the row."""
         return self.header_elems
 
-    @property
+    @cached_property
     def state_offset(self) -> int:
         """First optimizer-state column, counted from the start of the row."""
         return self.header_elems + self.padded_dim
 
-    @property
+    @cached_property
     def width(self) -> int:
         """Elements in one whole row, header included."""
         return self.header_elems + self.padded_dim + self.padded_state_dim
 
-    @property
+    @cached_property
     def value_width(self) -> int:
         """Elements after the header (what ``KVStore.get`` addresses)."""
         return self.width - self.header_elems
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         return self.width * self.itemsize
 

@@ -61,7 +61,7 @@ def _check_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
             f"{method}: with process_group, tables must be a sharded module's checkpoint_tables() "
             "(name -> BucketedTable)"
         )
-    v1._targets({name: t.store for name, t in tables.items()}, method)  # the names' rules
+    v1.targets_of({name: t.store for name, t in tables.items()}, method)  # the names' rules
 
 
 def _agree(value: object, group: dist.ProcessGroup) -> object:
@@ -93,9 +93,9 @@ def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int) -> dict
                 rows = rows[header_words(rows)[:, 1] < 0]  # drop ids deleted since keys() listed them
                 if len(rows) == 0:
                     continue
-                data = v1._row_bytes(rows)
+                data = v1.row_bytes_of(rows)
                 f.write(data)
-                entry = v1._chunk_entry(rows, offset, v1._checksum(data))
+                entry = v1.chunk_entry(rows, offset, v1.new_chunk_checksum(data))
                 entry["bucket"] = int(buckets[first])
                 chunks.append(entry)
                 offset += len(data)
@@ -119,16 +119,16 @@ def save_sharded(
     """
     method = "save_checkpoint"
     _check_tables(tables, method)
-    v1._check_chunk_bytes(method, chunk_bytes)
+    v1.check_chunk_bytes(method, chunk_bytes)
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     path = Path(path)
     problem, staging, extra_bytes = None, None, None
     if rank == 0:
         try:
-            path = v1._checked_target(path, method)
-            extra_bytes = None if extra is None else v1._extra_bytes(extra, method)
+            path = v1.checked_target(path, method)
+            extra_bytes = None if extra is None else v1.extra_bytes_of(extra, method)
             path.parent.mkdir(parents=True, exist_ok=True)
-            v1._remove_stale_staging(path)
+            v1.remove_stale_staging(path)
             staging = path.parent / f".{path.name}.saving-{secrets.token_hex(4)}"
             staging.mkdir()
         except Exception as exc:
@@ -178,7 +178,7 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
         manifest["tables"][name] = {
             "dim": layout.dim,
             "optimizer_state_dim": layout.state_dim,
-            "dtype": v1._dtype_name(layout.dtype),
+            "dtype": v1.dtype_name(layout.dtype),
             "header_elems": layout.header_elems,
             "width": layout.width,
             "row_bytes": layout.row_bytes,
@@ -188,17 +188,17 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
             "files": files,
         }
     if extra_bytes is not None:
-        manifest["extra"] = v1._write_extra(staging, extra_bytes)
+        manifest["extra"] = v1.write_extra(staging, extra_bytes)
     previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
-    v1._publish(staging, manifest, path, previous)
+    v1.publish(staging, manifest, path, previous)
     if previous.exists():
-        v1._remove_checkpoint(previous)
+        v1.remove_checkpoint(previous)
 
 
 # -- load ---------------------------------------------------------------------------------
 
 
-def _read_manifest(path: Path) -> dict:
+def read_manifest_v2(path: Path) -> dict:
     """A version-1 manifest (checked by the v1 reader) or a version-2 one (checked here)."""
     file = path / v1.MANIFEST
     if not file.is_file():
@@ -224,20 +224,20 @@ def _manifest_problem(manifest: dict) -> str | None:
         if not isinstance(table, dict) or not isinstance(table.get("files"), list):
             return f"tables[{name!r}] must be an object with a 'files' list"
         bucketing = table.get("bucketing")
-        if not isinstance(bucketing, dict) or not v1._is_count(bucketing.get("buckets")):
+        if not isinstance(bucketing, dict) or not v1.is_count(bucketing.get("buckets")):
             return f"tables[{name!r}].bucketing must hold a bucket count"
         total = 0
         for f in table["files"]:
             if (
                 not isinstance(f, dict)
-                or not v1._plain_name(f.get("file"))
+                or not v1.plain_name(f.get("file"))
                 or not isinstance(f.get("chunks"), list)
             ):
                 return f"tables[{name!r}].files entries must name a plain file and list its chunks"
             offset = 0
             for i, chunk in enumerate(f["chunks"]):
                 keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
-                if not isinstance(chunk, dict) or not all(v1._is_count(chunk.get(k)) for k in keys):
+                if not isinstance(chunk, dict) or not all(v1.is_count(chunk.get(k)) for k in keys):
                     return f"{f['file']} chunk {i}: needs non-negative integers {', '.join(keys)}"
                 if chunk["offset"] != offset:
                     return f"{f['file']} chunk {i}: offset {chunk['offset']}, expected {offset} (contiguous)"
@@ -277,7 +277,7 @@ def load_sharded(
     empty = all(len(t.store) == 0 for t in tables.values())
     problem, extra = None, {}
     try:
-        manifest = _read_manifest(path)
+        manifest = read_manifest_v2(path)
         missing = [name for name in tables if name not in manifest["tables"]]
         if missing:
             raise v1.CheckpointError(
@@ -285,7 +285,7 @@ def load_sharded(
             )
         for name, table in tables.items():
             _check_table(path, name, manifest["tables"][name], table)
-        extra = v1._read_extra(path, manifest)
+        extra = v1.read_extra(path, manifest)
         plan = [(name, table, manifest["tables"][name]) for name, table in tables.items()]
         if not empty:  # rows already there could not be restored: verify every chunk first
             for name, table, saved in plan:
@@ -313,7 +313,7 @@ last_load_stats: dict[str, int] = {}
 
 
 def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
-    v1._check_layout(path / v1.MANIFEST, name, saved, table.store)
+    v1.check_layout(path / v1.MANIFEST, name, saved, table.store)
     bucketing = saved.get("bucketing")
     if bucketing is not None and (bucketing["buckets"], bucketing["bucket_size"]) != (
         table.buckets,
@@ -335,7 +335,7 @@ def _read_chunk(handle, file: Path, index: int, chunk: dict, saved: dict, dtype:
     data = handle.read(size)
     if len(data) != size:
         raise v1.CheckpointError(f"{where}: truncated ({len(data)} of {size} bytes)")
-    if v1._CHECKSUMS[saved.get("checksum", "crc32")](data, 0) != chunk["crc"]:
+    if v1.CHECKSUMS[saved.get("checksum", "crc32")](data, 0) != chunk["crc"]:
         raise v1.CheckpointError(f"{where}: checksum mismatch")
     rows = torch.frombuffer(bytearray(data), dtype=dtype).view(chunk["rows"], layout.width)
     if "bucket" in chunk:
@@ -373,12 +373,12 @@ def verify_sharded(path: str | os.PathLike):
     """Check every chunk of every rank's files of a version-2 checkpoint, then the extra
     state; yield (table, file, chunk) as each passes. Raises ``CheckpointError`` at the first bad one."""
     path = Path(path)
-    manifest = _read_manifest(path)
+    manifest = read_manifest_v2(path)
     for name, saved in manifest["tables"].items():
-        dtype = v1._DTYPES[saved["dtype"]]
+        dtype = v1.DTYPES[saved["dtype"]]
         for f in _files_of(saved):
             with open(path / f["file"], "rb") as handle:
                 for i, chunk in enumerate(f["chunks"]):
                     _read_chunk(handle, path / f["file"], i, chunk, saved, dtype)
                     yield name, f["file"], i
-    v1._read_extra(path, manifest)
+    v1.read_extra(path, manifest)

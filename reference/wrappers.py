@@ -34,6 +34,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from leanstate.reference.pinned_pool import HostBuffer, PinnedMemoryPool
 
+DEVICES = ("cpu", "cuda")
+AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
+BENCH_TARGETS: dict[str, tuple[str, float]] = {}
+
 WRAPPED = "_checkpoint_wrapped_module"
 DEFAULT_MIN_OFFLOAD_BYTES = 2**16
 
@@ -329,7 +333,7 @@ def apply_activation_checkpointing(
         )
 
     def visit(parent: nn.Module) -> None:
-        for name, child in list(parent._modules.items()):
+        for name, child in list(parent.named_children()):
             if child is None or isinstance(child, ActivationWrapper):
                 continue
             if chosen(child):

@@ -11,6 +11,15 @@ mutates the caller's dict and leaves no ``None`` in ``.state``; consolidation ga
 to the target rank only and moves bytes with ``torch.frombuffer``; ``clip_grad_norm_``
 across shards with one all-reduce; parameter groups may be given as dicts.
 
+``overlap_broadcast=True`` (bucket views required): with the waits of
+:meth:`overlap_with` installed, ``step()`` starts one asynchronous broadcast per rank
+bucket and returns; each module's forward pre-hook waits only for the buckets holding
+its parameters, so the first layers compute while later buckets are in flight. Until
+those hooks are installed (or once they are all removed) ``step()`` waits for its own
+broadcasts, so parameters are never read half-broadcast. Anything else that reads
+parameters or state (the next ``step``, ``consolidate_state_dict``, ``state_dict``,
+``load_state_dict``, ``add_param_group``, ``clip_grad_norm_``) waits for all of them first.
+
 Example (on every rank)::
 
     >>> optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
@@ -29,8 +38,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
+
+DEVICES = ("cpu", "cuda")
+AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
+BENCH_TARGETS: dict[str, tuple[str, float]] = {}
 
 
 def _trainable(param: torch.Tensor) -> bool:
@@ -59,8 +73,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: the data-parallel group (default: the world).
         parameters_as_bucket_view: each rank's trainable parameters on a device are
             views of one flat buffer, broadcast in one collective per rank per step.
-        overlap_broadcast: overlap the broadcasts with the next forward (``torch``
-            backend only; this reference refuses it).
+        overlap_broadcast: overlap the broadcasts with the next forward, once
+            :meth:`overlap_with` installed the waits (needs ``parameters_as_bucket_view``).
         **defaults: the optimizer's arguments (``lr``, ``betas``...).
     """
 
@@ -76,8 +90,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_broadcast: bool = False,
         **defaults: Any,
     ) -> None:
-        if overlap_broadcast:
-            raise ValueError("overlap_broadcast=True is served by the torch backend: pass backend='torch'")
+        if overlap_broadcast and not parameters_as_bucket_view:
+            raise ValueError(
+                "overlap_broadcast=True needs parameters_as_bucket_view=True (one broadcast per bucket)"
+            )
+        self.overlap_broadcast = overlap_broadcast
+        self._pending: dict[int, list[dist.Work]] = {}  # rank -> its shard's broadcasts
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._initialized = False
         super().__init__(params, defaults)
         if not self.param_groups or not any(g["params"] for g in self.param_groups):
@@ -230,12 +249,43 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         }
 
     def _broadcast(self) -> None:
-        for works in self._start_broadcasts().values():
-            for work in works:
+        self._pending = self._start_broadcasts()
+        # Without a pre-forward wait nothing would make the next forward wait for its
+        # parameters: then the step waits itself (correct by default, just not overlapped).
+        if not (self.overlap_broadcast and self._hooks_installed()):
+            self._wait()
+
+    def _wait(self, ranks: Iterable[int] | None = None) -> None:
+        """Wait for the broadcasts in flight (of the shards of ``ranks``, default all)."""
+        for rank in list(self._pending) if ranks is None else ranks:
+            for work in self._pending.pop(rank, ()):
                 work.wait()
+
+    def _hooks_installed(self) -> bool:
+        """Whether some pre-forward wait installed by :meth:`overlap_with` is still registered."""
+        return any(
+            (hooks := handle.hooks_dict_ref()) is not None and handle.id in hooks for handle in self._handles
+        )
+
+    def overlap_with(self, model: nn.Module) -> list[OverlapHandle]:
+        """Make each module of ``model`` wait, before its forward, for its parameters' buckets.
+
+        Returns one handle per hook; ``handle.remove()`` first waits for the broadcasts in
+        flight (no later forward would wait for them).
+        """
+        owner = self._owner()
+        handles = []
+        for module in model.modules():
+            ranks = sorted({owner[p] for p in module.parameters(recurse=False) if p in owner})
+            if ranks:
+                hook = module.register_forward_pre_hook(lambda _m, _a, r=tuple(ranks): self._wait(r))
+                handles.append(OverlapHandle(self._wait, hook))
+        self._handles += [handle.hook for handle in handles]
+        return handles
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then broadcast every shard. Call on every rank."""
+        self._wait()
         Join.notify_join_context(self)
         agreed = self._agree_on_mask()  # overlaps the local step
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
@@ -266,6 +316,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group on every rank; earlier groups keep their ranks, so nothing moves."""
+        if self._initialized:
+            self._wait()
         super().add_param_group(param_group)
         if not self._initialized:
             return
@@ -283,6 +335,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         per-parameter norms (zeros elsewhere, so the sum is exact) gives every rank the
         same vector, reduced exactly as torch does. Every rank scales every gradient.
         """
+        self._wait()
         params = [p for p in self._all_params if p.grad is not None]
         if not params:
             return torch.tensor(0.0)
@@ -303,6 +356,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's local state to rank ``to`` (of the group). Call on every rank."""
+        self._wait()
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
         payload = _to_bytes(self.optim.state_dict())
         size = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -351,6 +405,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Only this rank's parameters take state; the caller's dict is not modified.
         """
+        self._wait()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, self.param_groups)
@@ -391,3 +446,16 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
+
+
+class OverlapHandle:
+    """A pre-forward wait's handle (from ``overlap_with``) whose ``remove()`` first waits
+    for the broadcasts in flight."""
+
+    def __init__(self, wait: Callable[[], None], hook: torch.utils.hooks.RemovableHandle) -> None:
+        self.wait, self.hook = wait, hook
+
+    def remove(self) -> None:
+        """Wait for the broadcasts in flight, then remove the hook."""
+        self.wait()
+        self.hook.remove()

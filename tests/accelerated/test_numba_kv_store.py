@@ -27,7 +27,10 @@ def test_initial_weights_match_the_reference_bit_for_bit(ids, seed, dim, init_ra
     store = KVStore(dim, seed=seed, init_range=init_range, dtype=dtype, backend="numba")
     low, high = store.init_range
     expected = initial_weights(ids, dim, seed=seed, low=low, high=high, dtype=dtype)
-    assert torch.equal(store._engine.initial_weights(ids).view(torch.uint8), expected.view(torch.uint8))
+    rows = store.engine.initial_rows(ids)
+    first = store.layout.weight_offset
+    got = rows[:, first : first + dim].contiguous()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_large_random_workload_matches_the_reference():

@@ -1,3 +1,4 @@
+import abc
 import os
 import subprocess
 import sys
@@ -7,7 +8,6 @@ import torch
 
 import leanstate
 from leanstate import _backends
-from leanstate.kv_store import KVStore as ReferenceKVStore
 
 
 def run_python(code: str, **env: str) -> str:
@@ -28,7 +28,6 @@ INFO = "import leanstate; i = leanstate.backend_info(); print(i.chosen['kv_store
         ("auto", "numba"),
         ("reference", "reference"),
         ("numba", "numba"),
-        ("numba-cuda", "numba"),
         ("torch", "torch"),
         ("bogus", "numba"),
         ("", "numba"),
@@ -41,8 +40,6 @@ def test_every_env_value_imports_and_explains(value, chosen):
     assert f"LEANSTATE_BACKEND={value or 'auto'}" in report and f"chose {chosen}" in report
     if value == "bogus":
         assert "unknown backend 'bogus'" in report
-    if value == "numba-cuda":
-        assert "numba-cuda: no numba-cuda implementation of kv_store" in report
 
 
 def test_unimportable_numba_falls_back_with_the_reason():
@@ -63,51 +60,64 @@ def test_broken_numba_does_not_break_import(tmp_path):
     assert out.startswith("torch") and "RuntimeError: half-installed numba" in out
 
 
-def test_registry_selection_prefers_a_registered_backend(monkeypatch):
-    monkeypatch.setitem(_backends._IMPLEMENTATIONS, "kv_store", {"reference": "x", "numba": "y"})
-    monkeypatch.setattr(_backends, "_probe", lambda backend: None)
-    monkeypatch.setattr(_backends, "_cuda_present", lambda: False)
-    assert _backends.select("kv_store", "auto")[0] == "numba"
-    # ZeRO has no numba path: auto takes torch, which serves overlap_broadcast=True
-    assert _backends.select("zero", "auto")[0] == "torch"
+def test_auto_order_follows_each_modules_priority_per_device(monkeypatch):
+    monkeypatch.setattr(_backends, "cuda_present", lambda: False)
+    assert _backends.auto_order("kv_store")[:2] == ["numba", "torch"]
+    assert _backends.auto_order("kv_store")[-1] == "reference"
     assert _backends.select("kv_store", "reference")[0] == "reference"
-    monkeypatch.setattr(_backends, "_probe", lambda backend: "missing" if backend == "numba" else None)
-    backend, reasons = _backends.select("kv_store", "numba")
-    assert backend == "reference" and "numba: missing" in reasons
+    # on a CUDA machine the GPU engines come first (spec/backends.md states the default order)
+    monkeypatch.setattr(_backends, "cuda_present", lambda: True)
+    order = _backends.auto_order("kv_store")
+    assert order.index("torch") < order.index("numba") and order[-1] == "reference"
+    assert _backends.auto_order("embedding").index("torch") < _backends.auto_order("embedding").index("numba")
+    assert _backends.select("kv_store", "auto")[0] == order[0]
+
+
+def test_an_explicit_backend_that_cannot_load_falls_back_and_says_why(monkeypatch):
+    monkeypatch.setitem(_backends.REGISTRY, ("kv_store", "ghost"), "leanstate.accelerated.no_such_module")
+    monkeypatch.delitem(_backends._PROBED, "leanstate.accelerated.no_such_module", raising=False)
+    backend, reasons = _backends.select("kv_store", "ghost")
+    assert backend == "numba"
+    assert any(r.startswith("ghost: cannot import its dependency (ModuleNotFoundError") for r in reasons)
+    with pytest.raises(ValueError, match="backend='ghost' is unavailable here"):
+        leanstate.KVStore(4, backend="ghost")
 
 
 def test_public_class_builds_the_chosen_backend_and_accepts_backend():
     store = leanstate.KVStore(4, backend="reference")
-    assert isinstance(store, ReferenceKVStore) and isinstance(store, leanstate.KVStore)
-    assert not isinstance(object(), leanstate.KVStore)
+    assert isinstance(store, leanstate.KVStore) and store.engine.backend == "reference"
     assert leanstate.KVStore(4).backend == leanstate.backend_info().chosen["kv_store"]
-    assert leanstate.KVStore(4, backend="numba").backend == "numba"
-    with pytest.raises(ValueError, match="no implementation of kv_store"):
-        leanstate.KVStore(4, backend="numba-cuda")
+    assert leanstate.KVStore(4, backend="numba").engine.backend == "numba"
+    with pytest.raises(ValueError, match="no implementation of checkpoint"):
+        leanstate.save_checkpoint("x", {}, backend="numba")  # checkpoint I/O has only the reference
     with pytest.raises(ValueError, match="not one of"):
         leanstate.KVStore(4, backend="fast")
+    with pytest.raises(ValueError, match="the numba engine runs on cpu"):
+        leanstate.KVStore(4, backend="numba", device="meta")
     assert leanstate.KVStore(4, dtype=torch.float16).dtype == torch.float16
 
 
-def test_public_zero_builds_the_chosen_backend():
+def test_zero_is_one_real_optimizer_class():
+    assert issubclass(leanstate.ZeroRedundancyOptimizer, torch.optim.Optimizer)
+    assert type(leanstate.ZeroRedundancyOptimizer) is abc.ABCMeta  # Joinable's, no dispatch metaclass
+    for name in ("join_hook", "join_device", "join_process_group", "overlap_with"):
+        assert hasattr(leanstate.ZeroRedundancyOptimizer, name)
     code = """
 import os, socket, torch, torch.distributed as dist, leanstate
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 dist.init_process_group("gloo", rank=0, world_size=1)
 params = [torch.nn.Parameter(torch.ones(3))]
-default = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
 fast = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, parameters_as_bucket_view=True,
-                                         overlap_broadcast=True, lr=0.1)  # served under auto on CPU
-plain = leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, backend="reference")
-print(default.backend, fast.backend, plain.backend, isinstance(fast, leanstate.ZeroRedundancyOptimizer))
+                                         overlap_broadcast=True, lr=0.1)
+print(isinstance(fast, torch.optim.Optimizer), fast.overlap_broadcast)
 try:
-    leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_broadcast=True, lr=0.1, backend="reference")
+    leanstate.ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_broadcast=True, lr=0.1)
 except ValueError as exc:
-    print("refused:", "backend='torch'" in str(exc))
+    print("refused:", "parameters_as_bucket_view=True" in str(exc))
 dist.destroy_process_group()
 """
-    assert run_python(code).split() == ["torch", "torch", "reference", "True", "refused:", "True"]
+    assert run_python(code).split() == ["True", "True", "refused:", "True"]
 
 
 def test_import_zero_and_wrappers_work_without_numpy():

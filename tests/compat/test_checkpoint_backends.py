@@ -9,8 +9,8 @@ import leanstate
 from leanstate import _backends
 from tests.conftest import FakeClock
 
-STORES = sorted(_backends._IMPLEMENTATIONS["kv_store"])
-IO = sorted(_backends._IMPLEMENTATIONS["checkpoint"])
+STORES = sorted(_backends.implementations("kv_store"))
+IO = sorted(_backends.implementations("checkpoint"))
 
 
 def filled(backend, dtype):

@@ -15,7 +15,7 @@ from leanstate import _backends
 from leanstate.embedding import KVEmbeddingBag
 from tests.conftest import FakeClock
 
-ACCELERATED = sorted(b for b in _backends._IMPLEMENTATIONS["embedding"] if b != "reference")
+ACCELERATED = sorted(b for b in _backends.implementations("embedding") if b != "reference")
 D = 6
 
 
@@ -101,10 +101,10 @@ def test_pooling_and_gradients_of_given_rows_match_the_reference(backend, steps,
     rows = torch.randn(len(unique), D, generator=generator)
     weights = torch.rand(len(ids), generator=generator) if weighted else None
     grad_output = torch.randn(len(offsets) - 1, D, generator=generator)
-    got = bag._engine.pool_rows(rows, inverse, offsets, weights, mean)
+    got = bag.engine.pool_rows(rows, inverse, offsets, weights, mean)
     assert torch.equal(
         got.view(torch.int32), pool_rows(rows, inverse, offsets, weights, mean).view(torch.int32)
     )
-    got = bag._engine.row_gradients(len(unique), inverse, offsets, weights, mean, grad_output)
+    got = bag.engine.row_gradients(len(unique), inverse, offsets, weights, mean, grad_output)
     want = row_gradients(len(unique), inverse, offsets, weights, mean, grad_output)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -11,7 +11,7 @@ from leanstate.reference.hashing import initial_weights
 from leanstate.reference.row_format import COUNT_MAX, header_words, unpack_metadata
 from tests.conftest import FakeClock
 
-BACKENDS = sorted(_backends._IMPLEMENTATIONS["kv_store"])
+BACKENDS = sorted(_backends.implementations("kv_store"))
 
 
 @pytest.fixture(params=BACKENDS, autouse=True)

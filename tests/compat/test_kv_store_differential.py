@@ -19,7 +19,7 @@ from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, p
 from tests.conftest import FakeClock
 from tests.reference.test_kv_store_stateful import DIM, STATE, same_bits, small_floats
 
-ACCELERATED = sorted(b for b in _backends._IMPLEMENTATIONS["kv_store"] if b != "reference")
+ACCELERATED = sorted(b for b in _backends.implementations("kv_store") if b != "reference")
 POOL = st.integers(-2, 40)  # a wider id pool than the model machine's: more misses
 id_lists = st.lists(POOL, min_size=0, max_size=16)
 
@@ -116,12 +116,12 @@ class DifferentialMachine(RuleBasedStateMachine):
             assert same_bits(self.ref.get_rows(keys), self.fast.get_rows(keys))
 
 
-def _machine_for(backend: str):
+def machine_for(backend: str, examples: int = 80):
     machine = type(f"Differential_{backend}", (DifferentialMachine,), {"backend": backend})
-    machine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=30, deadline=None)
     return machine.TestCase
 
 
 @pytest.mark.parametrize("backend", ACCELERATED)
 def test_engine_matches_the_reference(backend):
-    _machine_for(backend)().runTest()
+    machine_for(backend)().runTest()

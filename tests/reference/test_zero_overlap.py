@@ -1,11 +1,11 @@
-"""The torch ZeRO path (broadcasts overlapping the next forward) held to plain optimizers."""
+"""ZeRO with overlap_broadcast=True (broadcasts overlapping the next forward) held to plain optimizers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from leanstate.accelerated.torch_zero import ZeroRedundancyOptimizer
+from leanstate.reference.zero import ZeroRedundancyOptimizer
 from tests.reference.test_zero import OPTIMIZERS, backward, batch, make_model, run_world, train_pair
 
 

@@ -1,0 +1,222 @@
+"""The steps a KV embedding bag takes per batch, shared by the plain and sharded modules.
+
+``leanstate.KVEmbeddingBag`` and ``ShardedKVEmbeddingBagCollection`` both check and
+normalise a bag's input here (``prepare``), hand the output gradient to the bag's
+embedding engine here (``apply_gradient``), and read KeyedJaggedTensor-shaped input per
+table here (``table_inputs``). Everything touches a bag through its public attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+def check_ids(ids: object) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"KVEmbeddingBag: input must be a tensor of int64 ids; got {type(ids).__name__}")
+    if ids.dtype != torch.int64:
+        how = " (convert them with ids.to(torch.int64))" if not ids.dtype.is_floating_point else ""
+        raise TypeError(f"KVEmbeddingBag: input ids must be torch.int64; got {ids.dtype}{how}")
+    return ids
+
+
+def prepare(bag, input, offsets, per_sample_weights):
+    """(distinct ids, inverse, bag ends [B + 1], weights or None) with padding removed;
+    every argument checked, and ``stats`` counted."""
+    ids, offsets, per_sample_weights = normalise(bag, input, offsets, per_sample_weights)
+    device = ids.device
+    ends = torch.cat([offsets, torch.tensor([len(ids)], device=device)])
+    keep = ids >= 0
+    padding = len(ids) - int(keep.sum())
+    if padding:
+        positions = torch.arange(len(offsets), device=device)
+        bag_of = torch.repeat_interleave(positions, torch.diff(ends), output_size=len(ids))
+        kept = torch.bincount(bag_of[keep], minlength=len(offsets))
+        ends = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(kept, 0)])
+        ids = ids[keep]
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights[keep]
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    bag.stats["batches"] += 1
+    bag.stats["ids"] += len(ids) + padding
+    bag.stats["padding_ids"] += padding
+    bag.stats["unique_ids"] += len(unique)
+    return unique, inverse, ends, per_sample_weights
+
+
+def normalise(bag, input, offsets, per_sample_weights):
+    """(1-D ids, int64 offsets [B], float32 weights or None) on the bag's device, every argument checked."""
+    ids = check_ids(input)
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ValueError("KVEmbeddingBag: offsets must be None for 2-D input (each row is one bag)")
+        step = max(1, ids.shape[1])
+        offsets = torch.arange(0, ids.numel(), step, dtype=torch.int64, device=ids.device)[: ids.shape[0]]
+        if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
+            raise ValueError(
+                f"KVEmbeddingBag: per_sample_weights has shape {tuple(per_sample_weights.shape)}; "
+                f"input has {tuple(ids.shape)}"
+            )
+        ids = ids.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+    elif ids.dim() == 1:
+        if offsets is None:
+            raise ValueError(
+                "KVEmbeddingBag: offsets is required for 1-D input: the start of each bag, e.g. "
+                "torch.tensor([0, 2]) for bags input[0:2] and input[2:]; or pass 2-D input [B, L]"
+            )
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype.is_floating_point:
+            raise TypeError("KVEmbeddingBag: offsets must be a 1-D integer tensor")
+    else:
+        raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
+    ids, offsets = ids.to(bag.device).contiguous(), offsets.to(bag.device, torch.int64)
+    if len(offsets) and (
+        int(offsets[0]) != 0 or bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > len(ids)
+    ):
+        raise ValueError(
+            f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
+            f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
+        )
+    if not len(offsets) and len(ids):
+        raise ValueError(f"KVEmbeddingBag: offsets is empty but input holds {len(ids)} ids")
+    if bag.num_embeddings is not None and len(ids):
+        outside = ids >= bag.num_embeddings
+        if bool(outside.any()):
+            bad = int(ids[outside][0])
+            raise ValueError(
+                f"KVEmbeddingBag: id {bad} is outside [0, num_embeddings={bag.num_embeddings}); "
+                "pass num_embeddings=None for hashed ids (negative ids are padding)"
+            )
+    if per_sample_weights is not None:
+        if bag.mode != "sum":
+            raise ValueError("KVEmbeddingBag: per_sample_weights is only supported with mode='sum'")
+        if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != ids.shape:
+            raise ValueError(
+                f"KVEmbeddingBag: per_sample_weights must be a tensor of input's shape {tuple(ids.shape)}"
+            )
+        per_sample_weights = per_sample_weights.detach().to(bag.device, torch.float32).contiguous()
+    return ids, offsets, per_sample_weights
+
+
+def apply_gradient(bag, unique, inverse, offsets, per_sample_weights, grad_output, *, mean=None) -> None:
+    """Update the rows of the distinct ``unique`` ids from the pooled output's gradient.
+
+    ``mean``: whether the bags were means (default: this bag's mode).
+    """
+    bag.optimizer_step += 1
+    beta1, beta2 = bag.betas
+    bag.engine.update(
+        unique,
+        inverse,
+        offsets,
+        per_sample_weights,
+        bag.mode == "mean" if mean is None else mean,
+        grad_output.to(bag.device, torch.float32),
+        hyperparameters=dict(lr=bag.lr, eps=bag.eps, beta1=beta1, beta2=beta2, weight_decay=bag.weight_decay),
+        step=bag.optimizer_step,
+        now=bag.store.now(),
+    )
+
+
+def build_bag(config, *, clock, backend: str | None):
+    """The :class:`KVEmbeddingBag` a ``KVTableConfig`` describes."""
+    from leanstate.embedding import KVEmbeddingBag  # the front module imports this one
+
+    return KVEmbeddingBag(
+        config.num_embeddings,
+        config.embedding_dim,
+        mode=config.pooling,
+        optimizer=config.optimizer,
+        lr=config.lr,
+        eps=config.eps,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+        optimizer_offloading=config.optimizer_offloading,
+        return_whole_row=config.return_whole_row,
+        dtype=config.data_type,
+        num_shards=config.num_shards,
+        init_range=(config.weight_init_min, config.weight_init_max),
+        seed=config.seed,
+        clock=clock,
+        backend=backend,
+    )
+
+
+def jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked."""
+    keys, values = list(features.keys()), features.values()
+    if hasattr(features, "lengths"):
+        lengths = features.lengths()
+    else:
+        lengths = torch.diff(features.offsets())
+    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+    lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
+    if not keys:
+        raise ValueError("KVEmbeddingBagCollection: the features have no keys")
+    if lengths.dim() != 1 or len(lengths) % len(keys):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
+            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
+        )
+    if bool((lengths < 0).any()) or int(lengths.sum()) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths must be >= 0 and sum to len(values)={len(values)}; "
+            f"they sum to {int(lengths.sum())}"
+        )
+    if weights is not None and len(weights) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: weights_or_none() has {len(weights)} entries; values has {len(values)}"
+        )
+    return keys, values, lengths, weights
+
+
+def table_inputs(features, table_features: Mapping[str, list[str]]):
+    """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
+    one after the other, in the table's feature order, from a KeyedJaggedTensor-like."""
+    keys, values, lengths, weights = jagged_parts(features)
+    wanted = [f for names in table_features.values() for f in names]
+    unknown = [k for k in keys if k not in wanted]
+    missing = [k for k in wanted if k not in keys]
+    if unknown or missing:
+        raise KeyError(
+            f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
+        )
+    batch = len(lengths) // len(keys)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    position = {key: k for k, key in enumerate(keys)}
+    inputs = {}
+    for table, names in table_features.items():
+        parts, part_weights, part_lengths = [], [], []
+        for name in names:
+            k = position[name]
+            first = int(starts[k * batch]) if batch else 0
+            last = int(ends[(k + 1) * batch - 1]) if batch else 0
+            parts.append(values[first:last])
+            part_lengths.append(lengths[k * batch : (k + 1) * batch])
+            if weights is not None:
+                part_weights.append(weights[first:last])
+        table_lengths = torch.cat(part_lengths)
+        offsets = torch.cumsum(table_lengths, 0) - table_lengths
+        inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
+    return batch, inputs
+
+
+class Tables(nn.Module):
+    """The collection's bags by table name: ``tables[name]``.
+
+    Not an ``nn.ModuleDict``, whose own methods would forbid tables named ``items``,
+    ``keys``, ``values`` or ``update``.
+    """
+
+    def __init__(self, bags: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        for name, bag in bags.items():
+            self.add_module(name, bag)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[name]

@@ -1,0 +1,89 @@
+"""The sealed seams (DESIGN §2.1), checked over the source: no module uses another's privates.
+
+A name with a leading underscore belongs to the module that defines it. Another module
+may import a private *module* of its own package (``leanstate._backends``) and use its
+public names, but never reach for ``_name`` in another module, directly
+(``from m import _name``) or through an object (``store._engine``). The only foreign
+privates allowed are torch's own multi-tensor ops, listed here by name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"compat": "leanstate", "reference": "leanstate.reference", "accelerated": "leanstate.accelerated"}
+MODULES = sorted(p for folder in FOLDERS for p in (ROOT / folder).glob("*.py"))
+# torch's multi-tensor ops (torch.nn.utils.clip_grad_norm_ uses them the same way)
+FOREIGN_ALLOWED = {"_foreach_norm", "_foreach_mul_"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_here(tree: ast.Module) -> set[str]:
+    """Every private name the module itself defines: functions, classes, assignments,
+    attributes it assigns (``self._x = ...``) and parameters."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if _private(n)}
+
+
+def _private_module_exists(package: str, name: str) -> bool:
+    folder = next((f for f, pkg in FOLDERS.items() if pkg == package), None)
+    return folder is not None and (ROOT / folder / f"{name}.py").exists()
+
+
+def foreign_privates(path: Path) -> list[str]:
+    """``file:line: what`` for every use of another module's private name in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mine = _defined_here(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leanstate"):
+            for alias in node.names:
+                if _private(alias.name) and not _private_module_exists(node.module, alias.name):
+                    found.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr in mine or node.attr in FOREIGN_ALLOWED:
+                continue
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_there_are_modules_to_check():
+    assert len(MODULES) > 20
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_module_uses_another_modules_private_names(path):
+    assert foreign_privates(path) == []
+
+
+def test_the_check_catches_a_reach_into_an_engine(tmp_path):
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text(
+        "from leanstate.reference.checkpoint import _checksum\n"
+        "def f(store):\n    return store._engine.rows\n"
+        "class Mine:\n    def __init__(self):\n        self._own = 1\n"
+        "def g(other):\n    return other._own\n"
+    )
+    assert foreign_privates(leaky) == [
+        "leaky.py:1: from leanstate.reference.checkpoint import _checksum",
+        "leaky.py:3: store._engine",
+    ]
