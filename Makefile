@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench lint install
+.PHONY: demo test test-slow bench lint install gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,15 +21,19 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	# CUDA-simulator tests run in their own process: the variable must be set before numba
-	# is imported. Exit 5 (none collected) is fine while no component has CUDA kernels.
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
-	$(BIN)/python -m pytest -q -m "not cudasim and not slow"
+	# is imported. Collecting none (exit 5) fails.
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim
+	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m leanstate bench
+
+# On a CUDA machine: the gpu-marked tests and the GPU bench, into $$OUT (or ./gpu-check).
+gpu-check: $(STAMP)
+	$(BIN)/python -m leanstate gpu-check --out "$${OUT:-gpu-check}"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,8 @@
-"""The ``numba`` KV store engine: one compiled call per batch, parallel across cores.
+"""The ``numba`` KV store engine: a fixed handful of compiled calls per batch, parallel across cores.
+
+``get`` is a lookup and a gather (plus the initial weights of missing ids); ``set`` a
+lookup, an insert of the missing ids, a backward marking pass and a parallel write;
+``set_rows`` the same with whole rows. No Python loop runs over ids or rows.
 
 Same interface and same bits as ``leanstate.reference.kv_store.KVStoreEngine``
 (``spec/backends.md``), written independently: it shares only the row layout and the

@@ -39,10 +39,10 @@ from leanstate.reference.wrappers import (
     OffloadWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
-    offload_wrapper,
 )
 from leanstate.reference.zero import ZeroRedundancyOptimizer
 from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
+from leanstate.wrappers import offload_wrapper
 
 try:
     __version__ = version("leanstate")

@@ -1,4 +1,4 @@
-"""Command line: ``python -m leanstate {demo,info,bench,inspect}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,inspect,gpu-check}``."""
 
 from __future__ import annotations
 
@@ -137,6 +137,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_check(args: argparse.Namespace) -> int:
+    from leanstate._gpu_check import run
+
+    return run(Path(args.out), rows=args.rows, batch=args.batch)
+
+
 def _info(args: argparse.Namespace) -> int:
     print(leanstate.backend_info())
     return 0
@@ -160,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")
     inspect.set_defaults(run=_inspect)
+    gpu = commands.add_parser(
+        "gpu-check", help="the gpu-marked tests and the GPU bench (needs a CUDA device)"
+    )
+    gpu.add_argument("--out", default="gpu-check", help="folder for the bench table and the test report")
+    gpu.add_argument("--rows", type=int, default=2**23, help="rows in each device store")
+    gpu.add_argument("--batch", type=int, default=2**20, help="ids per batch")
+    gpu.set_defaults(run=_gpu_check)
     args = parser.parse_args(argv)
     return args.run(args)
 

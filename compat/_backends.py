@@ -31,12 +31,15 @@ ENV_VAR = "LEANSTATE_BACKEND"
 REGISTRY: dict[tuple[str, str], str] = {
     ("kv_store", "reference"): "leanstate.reference.kv_store",
     ("kv_store", "numba"): "leanstate.accelerated.numba_kv_store",
+    ("kv_store", "numba-cuda"): "leanstate.accelerated.numba_cuda_kv_store",
     ("kv_store", "torch"): "leanstate.accelerated.torch_kv_store",
     ("embedding", "reference"): "leanstate.reference.embedding",
     ("embedding", "numba"): "leanstate.accelerated.numba_embedding",
+    ("embedding", "numba-cuda"): "leanstate.accelerated.numba_cuda_embedding",
     ("embedding", "torch"): "leanstate.accelerated.torch_embedding",
     ("checkpoint", "reference"): "leanstate.reference.checkpoint",
     ("wrappers", "reference"): "leanstate.reference.wrappers",
+    ("wrappers", "torch"): "leanstate.accelerated.torch_wrappers",
     ("zero", "reference"): "leanstate.reference.zero",
 }
 
@@ -54,6 +57,11 @@ def backends() -> list[str]:
 def implementations(component: str) -> list[str]:
     """The backends registered for ``component``, in registry order."""
     return [backend for c, backend in REGISTRY if c == component]
+
+
+def available(component: str) -> list[str]:
+    """The backends registered for ``component`` that load here, in registry order."""
+    return [backend for backend in implementations(component) if load(component, backend)[1] is None]
 
 
 def register(component: str, backend: str, module: str) -> None:

@@ -414,11 +414,6 @@ def _target(component: str, op: str, backend: str) -> tuple[str, float] | None:
     return getattr(module, "BENCH_TARGETS", {}).get(op)
 
 
-def _available(component: str) -> list[str]:
-    """The registered backends of ``component`` that load here (the bench runs each)."""
-    return [b for b in _backends.implementations(component) if _backends.load(component, b)[1] is None]
-
-
 def _met(ratio: float, target: tuple[str, float] | None) -> str:
     if target is None:
         return "-"
@@ -438,7 +433,7 @@ def store_figures(rows: int, dim: int, batch: int, backends: list[str] | None = 
     """The store's rows of the bench table (get, set, insert, memory) for every available
     store backend of the registry (or ``backends``), each beside the dense peer."""
     lines = []
-    for name in _available("kv_store") if backends is None else backends:
+    for name in _backends.available("kv_store") if backends is None else backends:
         kv = KVGetSet(rows, dim, batch, name)
         for op, peer_name, ours, peer in (
             ("get", "dense index_select", kv.get, kv.dense_get),
@@ -485,7 +480,7 @@ def report(
         lines.append(_line(component, measure, name, ours, peer_name, peer, target, time=time))
 
     lines.extend(store_figures(rows, dim, batch))
-    for name in _available("kv_store"):
+    for name in _backends.available("kv_store"):
         io = CheckpointIO(rows, dim, name)
         try:
             times = best_times(
@@ -571,7 +566,7 @@ def report(
         name="reference",
     )
     for name, (optimizer, peer) in itertools.product(
-        _available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
+        _backends.available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
     ):
         ours = EmbeddingStep("kv", optimizer, rows, dim, backend=name)
         dense = EmbeddingStep("dense", peer, rows, dim)

@@ -45,7 +45,8 @@ class KVStore:
         seed: seed of the initial weights; with ``init_range`` it fixes every bit.
         clock: callable returning the time in whole seconds (``time.time`` by default);
             stamped into the header by ``set``.
-        device: where the rows live (default the CPU); the backend must run there
+        device: where the rows live (default the backend's first device: the CPU, or
+            the GPU for ``numba-cuda``); the backend must run there
             (its module's ``DEVICES``): ``torch`` and ``numba-cuda`` keep rows, ids and
             results on a CUDA device.
         backend: a registered backend name; default the import-time choice
@@ -100,7 +101,7 @@ class KVStore:
             raise TypeError(f"KVStore: clock must be a callable returning seconds, or None; got {clock!r}")
         name, module = _backends.resolve("kv_store", backend)
         try:
-            device = torch.device("cpu" if device is None else device)
+            device = torch.device(module.DEVICES[0] if device is None else device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"KVStore: device={device!r} is not a torch device") from exc
         if device.type not in module.DEVICES:

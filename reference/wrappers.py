@@ -140,23 +140,65 @@ class CheckpointWrapper(ActivationWrapper):
         return self.checkpoint_fn(run, *args, *kwargs.values())
 
 
+class Copier:
+    """How offloaded bytes move: the reference copies synchronously on the current stream.
+
+    An accelerated copier (``leanstate.accelerated.torch_wrappers.Copier``) has the same
+    four methods and moves the bytes on a side stream, ordered by events. A marker is
+    whatever ``wait``/``ready`` need to know a copy is done (None here: it is).
+    """
+
+    def to_host(self, source: torch.Tensor, buffer: torch.Tensor) -> object | None:
+        """Copy ``source`` (device bytes) into the host ``buffer``; a marker of the copy."""
+        buffer.copy_(source)
+        return None
+
+    def to_device(self, buffer: torch.Tensor, device: torch.device, after: object | None):
+        """Start copying the host ``buffer`` back to ``device`` once ``after`` is done:
+        (the device tensor, a marker of the copy)."""
+        return buffer.to(device), None
+
+    def ready(self, tensor: torch.Tensor, marker: object | None) -> None:
+        """Make the current stream wait for the copy that produced ``tensor``."""
+
+    def wait(self, marker: object | None) -> None:
+        """Block the host until the copy of ``marker`` is done (before a buffer is reused)."""
+
+
 class _HostCopy:
     """One offloaded storage: its bytes on the host, returned to the pool when unused."""
 
-    def __init__(self, buffer: HostBuffer, pool: PinnedMemoryPool, device: torch.device) -> None:
+    def __init__(
+        self, buffer: HostBuffer, pool: PinnedMemoryPool, device: torch.device, copier: Copier, copied
+    ) -> None:
         self.buffer = buffer
         self.pool = pool
         self.device = device
+        self.copier = copier
+        self.copied = copied  # marker of the device -> host copy
+        self.prefetched = None  # (device tensor, marker) of a copy back started early
         self.restored: weakref.ref | None = None  # the device copy, shared by its views
+
+    def prefetch(self) -> None:
+        """Start the copy back to the device now (backward will want it soon)."""
+        restored = self.restored() if self.restored is not None else None
+        if restored is None and self.prefetched is None:
+            self.prefetched = self.copier.to_device(self.buffer.data, self.device, self.copied)
 
     def to_device(self) -> torch.Tensor:
         restored = self.restored() if self.restored is not None else None
         if restored is None:
-            restored = self.buffer.data.to(self.device, non_blocking=self.pool.pin)
+            self.prefetch()
+            restored, marker = self.prefetched
+            self.prefetched = None
+            self.copier.ready(restored, marker)
             self.restored = weakref.ref(restored)
         return restored
 
     def __del__(self) -> None:
+        self.copier.wait(self.copied)  # no copy may still read or write the buffer
+        if self.prefetched is not None:
+            self.copier.wait(self.prefetched[1])
         self.pool.release(self.buffer)
 
 
@@ -196,6 +238,13 @@ class OffloadWrapper(ActivationWrapper):
         min_offload_bytes: saved tensors smaller than this stay where they are.
         pinned_budget_bytes: cap of the host-buffer pool; past it, pageable memory.
         pool: a pool to use instead of a new one (e.g. shared, or with a test allocator).
+        copier: how the bytes move (default :class:`Copier`, synchronous);
+            ``leanstate.offload_wrapper`` passes the chosen backend's (on CUDA: a side
+            stream with events).
+
+    In backward, the first saved tensor of a forward to be needed brings all of that
+    forward's offloaded storages back at once (a prefetch: the later ones are then in
+    flight while the first is used).
     """
 
     # Treat host tensors as if they were on a device (so the copy path runs without a GPU).
@@ -209,8 +258,10 @@ class OffloadWrapper(ActivationWrapper):
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
         pinned_budget_bytes: int | None = None,
         pool: PinnedMemoryPool | None = None,
+        copier: Copier | None = None,
     ) -> None:
         super().__init__(module)
+        self.copier = copier or Copier()
         if min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be >= 0; got {min_offload_bytes}")
         self.min_offload_bytes = min_offload_bytes
@@ -250,8 +301,8 @@ class OffloadWrapper(ActivationWrapper):
             if alive is None or alive() is not storage:
                 buffer = self.pool.acquire(storage.nbytes())
                 source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-                buffer.data.copy_(source)
-                copy = _HostCopy(buffer, self.pool, tensor.device)
+                copied = self.copier.to_host(source, buffer.data)
+                copy = _HostCopy(buffer, self.pool, tensor.device, self.copier, copied)
                 copies[storage.data_ptr()] = (weakref.ref(storage), copy)
                 self.stats.offloaded_bytes += storage.nbytes()
             return _Packed(copy, tensor)
@@ -259,6 +310,9 @@ class OffloadWrapper(ActivationWrapper):
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
+            if packed.copy.restored is None and packed.copy.prefetched is None:
+                for _, other in copies.values():  # the first one back: bring the rest too
+                    other.prefetch()
             storage = packed.copy.to_device().untyped_storage()
             view = torch.empty(0, dtype=packed.dtype, device=packed.copy.device)
             return view.set_(storage, packed.offset, packed.shape, packed.stride)
@@ -290,6 +344,7 @@ def offload_wrapper(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     pinned_budget_bytes: int | None = None,
     pool: PinnedMemoryPool | None = None,
+    copier: Copier | None = None,
 ) -> OffloadWrapper:
     """Wrap ``module`` in an :class:`OffloadWrapper` (a no-op for CPU activations: see there).
 
@@ -303,6 +358,7 @@ def offload_wrapper(
         min_offload_bytes=min_offload_bytes,
         pinned_budget_bytes=pinned_budget_bytes,
         pool=pool,
+        copier=copier,
     )
 
 

@@ -30,3 +30,18 @@ class FakeClock:
 
     def __call__(self) -> int:
         return self.now
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test parametrized with the ``numba-cuda`` backend runs in the simulator's process.
+
+    ``numba-cuda`` is available only where its kernels can run (a GPU, or numba's CUDA
+    simulator set up before numba is imported), so these items exist only in that
+    process; marking them ``cudasim`` lets ``make test`` select them there.
+    """
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "numba-cuda" in [
+            v for v in callspec.params.values() if isinstance(v, str)
+        ]:
+            item.add_marker(pytest.mark.cudasim)

@@ -12,7 +12,7 @@ ROWS, DIM, CHUNK = 1_000_000, 128, 16 * 2**20
 
 
 class CheckpointThroughput:
-    params = (sorted(_backends.implementations("checkpoint")),)
+    params = (sorted(_backends.available("kv_store")),)
     param_names = ["backend"]
     timeout = 600
 

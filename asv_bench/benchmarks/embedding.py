@@ -12,7 +12,7 @@ PEERS = {"sgd": "sgd", "rowwise_adagrad": "adagrad"}
 
 
 class EmbeddingTrainingStep:
-    params = (sorted(_backends.implementations("embedding")), ["sgd", "rowwise_adagrad"])
+    params = (sorted(_backends.available("embedding")), ["sgd", "rowwise_adagrad"])
     param_names = ["backend", "optimizer"]
     timeout = 900
 

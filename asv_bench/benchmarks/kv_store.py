@@ -13,7 +13,7 @@ ROWS, DIM, BATCH = 1_000_000, 128, 65_536
 
 
 class KVStoreGetSet:
-    params = (sorted(_backends.implementations("kv_store")),)
+    params = (sorted(_backends.available("kv_store")),)
     param_names = ["backend"]
     timeout = 900
 

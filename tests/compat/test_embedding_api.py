@@ -20,7 +20,7 @@ from leanstate import (
 from tests.conftest import FakeClock
 
 D, VOCAB = 4, 30
-BACKENDS = sorted(leanstate._backends.implementations("embedding"))
+BACKENDS = sorted(leanstate._backends.available("embedding"))
 
 
 def test_constructor_takes_torchs_names_and_positions():

@@ -15,7 +15,7 @@ from leanstate import _backends
 from leanstate.embedding import KVEmbeddingBag
 from tests.conftest import FakeClock
 
-ACCELERATED = sorted(b for b in _backends.implementations("embedding") if b != "reference")
+ACCELERATED = sorted(b for b in _backends.available("embedding") if b != "reference")
 D = 6
 
 

@@ -19,7 +19,7 @@ from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, p
 from tests.conftest import FakeClock
 from tests.reference.test_kv_store_stateful import DIM, STATE, same_bits, small_floats
 
-ACCELERATED = sorted(b for b in _backends.implementations("kv_store") if b != "reference")
+ACCELERATED = sorted(b for b in _backends.available("kv_store") if b != "reference")
 POOL = st.integers(-2, 40)  # a wider id pool than the model machine's: more misses
 id_lists = st.lists(POOL, min_size=0, max_size=16)
 
@@ -124,4 +124,5 @@ def machine_for(backend: str, examples: int = 80):
 
 @pytest.mark.parametrize("backend", ACCELERATED)
 def test_engine_matches_the_reference(backend):
-    machine_for(backend)().runTest()
+    # the simulator runs each kernel thread as Python: fewer runs, the same machine
+    machine_for(backend, examples=20 if backend == "numba-cuda" else 80)().runTest()

@@ -20,7 +20,7 @@ from leanstate.kv_store import KVStore
 from leanstate.reference.row_format import header_words, unpack_metadata
 from tests.conftest import FakeClock
 
-BACKENDS = sorted(_backends.implementations("kv_store"))
+BACKENDS = sorted(_backends.available("kv_store"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

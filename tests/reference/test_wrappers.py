@@ -11,6 +11,7 @@ from leanstate.reference.wrappers import (
     ActivationWrapper,
     CheckpointImpl,
     CheckpointWrapper,
+    Copier,
     OffloadWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
@@ -397,3 +398,46 @@ def test_no_stash_is_left_behind(host_as_device):
     del second
     gc.collect()
     assert pool.in_use_bytes == 0
+
+
+class RecordingCopier(Copier):
+    """The reference copier, logging each copy (the bytes still move synchronously)."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def to_host(self, source, buffer):
+        self.log.append("to_host")
+        return super().to_host(source, buffer)
+
+    def to_device(self, buffer, device, after):
+        self.log.append("to_device")
+        return super().to_device(buffer, device, after)
+
+    def ready(self, tensor, marker):
+        self.log.append("ready")
+
+
+def test_the_first_unpack_prefetches_every_storage_of_that_forward(host_as_device):
+    torch.manual_seed(3)
+    copier = RecordingCopier()
+    model = OffloadWrapper(Stack(), min_offload_bytes=0, copier=copier)
+    plain = Stack()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(B, T, D)
+    torch.manual_seed(0)
+    out = model(x.clone().requires_grad_(True))
+    copied = copier.log.count("to_host")
+    assert copied > 1 and "to_device" not in copier.log  # nothing comes back before backward
+    out.backward()
+    # the forward's storages start coming back together, before the first is used (a storage
+    # freed after its last use and wanted again by another view comes back again later)
+    first_ready = copier.log.index("ready")
+    prefetched = copier.log[copied:first_ready]
+    assert set(prefetched) == {"to_device"} and len(prefetched) > copied // 2
+    assert copier.log.count("to_device") >= copied
+    del out
+    gc.collect()
+    assert model.pool.in_use_bytes == 0  # every buffer back in the pool once the graph is gone
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    assert all(torch.equal(ours[n], g) for n, g in grads(plain, x)[2].items())

@@ -1,0 +1,323 @@
+"""The ``numba-cuda`` embedding engine: fused pooled forward and fused backward on the device.
+
+Same interface and bits as ``leanstate.reference.embedding.EmbeddingEngine``
+(``spec/backends.md``). Forward is one kernel (a thread per bag and column) that reads
+each distinct id's row where it lies in the store's pool (the initial row for a missing
+id) and pools the bag's positions in order. Backward is one kernel (a thread per
+distinct id) that sums the id's gradient over its positions in ascending order, applies
+the rule of ``spec/embedding.md`` to its weights and state in the pool, and stamps the
+header. Every float32 operation is rounded once and none is contracted into a fused
+multiply-add: on a GPU they are libdevice's ``__fmul_rn`` / ``__fadd_rn`` /
+``__fdiv_rn`` / ``__fsqrt_rn`` (numba-cuda would otherwise let NVVM contract them), so
+the rows are the reference's bit for bit. The per-id position lists and bag indices
+are torch ops on the same device. It touches its stores only through their row-access
+interface.
+
+16-bit rows (the kernels read float32) run the same kernels on a float32 copy of the
+touched rows, widened once, each new value rounded once on the way back, as the numba
+CPU engine does.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import numpy as np
+import torch
+from numba import cuda
+
+from leanstate.accelerated.numba_cuda_kv_store import (
+    DEVICES,
+    KVStoreEngine,
+    add,
+    device_array,
+    div,
+    launch,
+    mul,
+    sqrt,
+    unavailable,
+)
+from leanstate.reference.row_format import COUNT_MAX, header_words
+
+AUTO_PRIORITY = {"cuda": 25}
+BENCH_TARGETS = {"sgd": (">=", 0.5), "rowwise_adagrad": (">=", 1.0)}
+__all__ = ["DEVICES", "EmbeddingEngine", "unavailable"]  # the store module's devices and availability
+
+_SGD, _ADAGRAD, _ADAM = 0, 1, 2
+_RULE_IDS = {"sgd": _SGD, "rowwise_adagrad": _ADAGRAD, "adam": _ADAM}
+_USED = np.int64(-(2**63))
+_COUNT_MAX = np.int64(COUNT_MAX)
+
+
+@cuda.jit
+def _k_pool(rows, blocks, initial, slot_of_missing, start, inverse, offsets, scales, mean, out):
+    """``out[b, c]``: bag b's positions p summed in order, ``scales[p] * row(unique[inverse[p]])[c]``."""
+    t = cuda.grid(1)
+    dim = out.shape[1]
+    if t >= out.shape[0] * dim:
+        return
+    b, c = t // dim, t % dim
+    total = np.float32(0.0)
+    for p in range(offsets[b], offsets[b + 1]):
+        u = inverse[p]
+        value = rows[blocks[u], start + c] if blocks[u] >= 0 else initial[slot_of_missing[u], c]
+        if scales.shape[0] > 0:
+            value = mul(value, scales[p])
+        total = add(total, value)
+    if mean and offsets[b + 1] > offsets[b]:
+        total = div(total, np.float32(offsets[b + 1] - offsets[b]))
+    out[b, c] = total
+
+
+@cuda.jit(device=True)
+def _contribution(grad_output, bag, c, p, offsets, scales, mean):
+    value = grad_output[bag, c]
+    if mean:
+        value = div(value, np.float32(max(offsets[bag + 1] - offsets[bag], 1)))
+    if scales.shape[0] > 0:
+        value = mul(value, scales[p])
+    return value
+
+
+@cuda.jit
+def _k_row_gradients(starts, positions, bag_of, offsets, scales, mean, grad_output, grad):
+    """``grad[u, c]``: id u's positions, in ascending order, summed from zero."""
+    t = cuda.grid(1)
+    dim = grad.shape[1]
+    if t >= grad.shape[0] * dim:
+        return
+    u, c = t // dim, t % dim
+    total = np.float32(0.0)
+    for k in range(starts[u], starts[u + 1]):
+        p = positions[k]
+        total = add(total, _contribution(grad_output, bag_of[p], c, p, offsets, scales, mean))
+    grad[u, c] = total
+
+
+@cuda.jit(device=True)
+def _stamp(words, block, now):
+    meta = words[block, 1]
+    count = min(((meta >> 32) & _COUNT_MAX) + 1, _COUNT_MAX)
+    words[block, 1] = np.int64(now) | (count << 32) | _USED
+
+
+@cuda.jit
+def _k_update(
+    rows, words, blocks, start, state_rows, state_words, state_blocks, state_start, separate_state, rule,
+    starts, positions, bag_of, offsets, scales, mean, grad_output, grad,
+    lr, eps, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, step_size, root_correction, now,
+):  # fmt: skip
+    """One distinct id per thread: its gradient, the rule on its weights and state, its header."""
+    u = cuda.grid(1)
+    if u >= blocks.shape[0]:
+        return
+    dim = grad.shape[1]
+    b, sb = blocks[u], state_blocks[u]
+    for c in range(dim):
+        total = np.float32(0.0)
+        for k in range(starts[u], starts[u + 1]):
+            p = positions[k]
+            total = add(total, _contribution(grad_output, bag_of[p], c, p, offsets, scales, mean))
+        if weight_decay != 0.0:
+            total = add(total, mul(weight_decay, rows[b, start + c]))
+        grad[u, c] = total
+    if rule == _SGD:
+        for c in range(dim):
+            rows[b, start + c] = add(rows[b, start + c], -mul(lr, grad[u, c]))
+    elif rule == _ADAGRAD:
+        total = np.float32(0.0)
+        for c in range(dim):
+            total = add(total, mul(grad[u, c], grad[u, c]))
+        momentum = add(state_rows[sb, state_start], div(total, np.float32(dim)))
+        state_rows[sb, state_start] = momentum
+        denominator = add(sqrt(momentum), eps)
+        for c in range(dim):
+            rows[b, start + c] = add(rows[b, start + c], -mul(lr, div(grad[u, c], denominator)))
+    else:
+        for c in range(dim):
+            g = grad[u, c]
+            m = add(mul(beta1, state_rows[sb, state_start + c]), mul(one_minus_beta1, g))
+            v = add(mul(beta2, state_rows[sb, state_start + dim + c]), mul(one_minus_beta2, mul(g, g)))
+            state_rows[sb, state_start + c] = m
+            state_rows[sb, state_start + dim + c] = v
+            step = mul(step_size, div(m, add(div(sqrt(v), root_correction), eps)))
+            rows[b, start + c] = add(rows[b, start + c], -step)
+    _stamp(words, b, now)
+    if separate_state:
+        _stamp(state_words, sb, now)
+
+
+class EmbeddingEngine:
+    """The numba-cuda embedding engine over numba-cuda store engines.
+
+    Args:
+        weights: the store engine holding the weights (and the state when offloaded).
+        state: the store engine holding the optimizer state when not offloaded, else None.
+        state_start: the first state column (from the start of the row) in its store.
+        state_width: the state's columns in its store (float32 values as row elements).
+        optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``.
+    """
+
+    backend = "numba-cuda"
+
+    def __init__(
+        self,
+        weights: KVStoreEngine,
+        state: KVStoreEngine | None,
+        *,
+        state_start: int,
+        state_width: int,
+        optimizer: str,
+    ) -> None:
+        for engine in (weights, state):
+            if engine is not None and not isinstance(engine, KVStoreEngine):
+                raise TypeError("the numba-cuda embedding engine needs numba-cuda store engines")
+        self.weights, self.state = weights, state
+        self.state_start, self.state_width = state_start, state_width
+        self.rule = _RULE_IDS[optimizer]
+        self.device = weights.device
+
+    def _scales(self, per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        if per_sample_weights is None:
+            return torch.empty(0, dtype=torch.float32, device=self.device)
+        return per_sample_weights.contiguous()
+
+    def _by_id(self, unique_count: int, inverse: torch.Tensor, offsets: torch.Tensor):
+        """(starts [U + 1], positions grouped by id in ascending order, bag of each position)."""
+        positions = torch.argsort(inverse, stable=True)
+        counts = torch.bincount(inverse, minlength=unique_count)
+        starts = torch.zeros(unique_count + 1, dtype=torch.int64, device=self.device)
+        starts[1:] = torch.cumsum(counts, 0)
+        lengths = offsets[1:] - offsets[:-1]
+        bags = torch.arange(len(lengths), device=self.device)
+        bag_of = torch.repeat_interleave(bags, lengths, output_size=len(inverse))
+        return starts, positions, bag_of
+
+    def _pool(
+        self, rows, blocks, initial, slot_of_missing, start, inverse, offsets, per_sample_weights, mean
+    ):
+        out = torch.empty(len(offsets) - 1, initial.shape[1], device=self.device)
+        launch(
+            _k_pool, out.numel(), device_array(rows), device_array(blocks), device_array(initial),
+            device_array(slot_of_missing), start, device_array(inverse), device_array(offsets),
+            device_array(self._scales(per_sample_weights)), mean, device_array(out),
+        )  # fmt: skip
+        return out
+
+    def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
+        """Pool given rows [U, D] of any float dtype (e.g. rows received from their owners)."""
+        rows = rows.to(torch.float32).contiguous()
+        own = torch.arange(len(rows), device=self.device)
+        none = torch.empty(0, rows.shape[1], device=self.device)
+        return self._pool(rows, own, none, own, 0, inverse, offsets, per_sample_weights, mean)
+
+    def row_gradients(
+        self, unique_count, inverse, offsets, per_sample_weights, mean, grad_output
+    ) -> torch.Tensor:
+        """Each distinct id's gradient [U, D], summed exactly as ``update`` sums it."""
+        grad = torch.empty(unique_count, grad_output.shape[1], device=self.device)
+        starts, positions, bag_of = self._by_id(unique_count, inverse, offsets)
+        launch(
+            _k_row_gradients, grad.numel(), device_array(starts), device_array(positions),
+            device_array(bag_of), device_array(offsets), device_array(self._scales(per_sample_weights)),
+            mean, device_array(grad_output.contiguous()), device_array(grad),
+        )  # fmt: skip
+        return grad
+
+    def pool(self, unique, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
+        store = self.weights
+        layout = store.layout
+        if layout.dtype != torch.float32:
+            rows = store.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
+            return self.pool_rows(rows, inverse, offsets, per_sample_weights, mean)
+        first = layout.weight_offset
+        with store.reading():
+            blocks = store.locate(unique)
+            missing = torch.nonzero(blocks == -1).flatten()
+            slot_of_missing = torch.full((len(unique),), -1, dtype=torch.int64, device=self.device)
+            slot_of_missing[missing] = torch.arange(len(missing), device=self.device)
+            initial = store.initial_rows(unique[missing])[:, first : first + layout.dim].contiguous()
+            return self._pool(
+                store.rows,
+                blocks,
+                initial,
+                slot_of_missing,
+                first,
+                inverse,
+                offsets,
+                per_sample_weights,
+                mean,
+            )
+
+    def update(
+        self, unique, inverse, offsets, per_sample_weights, mean, grad_output, *, hyperparameters, step, now
+    ) -> None:
+        f32 = np.float32
+        lr, eps = hyperparameters["lr"], hyperparameters["eps"]
+        beta1, beta2 = hyperparameters["beta1"], hyperparameters["beta2"]
+        adam = self.rule == _ADAM
+        scalars = (
+            f32(lr), f32(eps), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2),
+            f32(hyperparameters["weight_decay"]),
+            f32(lr / (1 - beta1**step)) if adam else f32(0.0),
+            f32((1 - beta2**step) ** 0.5) if adam else f32(1.0),
+            now,
+        )  # fmt: skip
+        grad = torch.empty(len(unique), self.weights.layout.dim, device=self.device)
+        gradient = (
+            *(device_array(t) for t in self._by_id(len(unique), inverse, offsets)),
+            device_array(offsets), device_array(self._scales(per_sample_weights)), mean,
+            device_array(grad_output.contiguous()), device_array(grad),
+        )  # fmt: skip
+        weights, state = self.weights, self.state
+        with ExitStack() as locks:
+            for engine in (weights, state):
+                if engine is not None:
+                    locks.enter_context(engine.writing())
+            blocks = weights.locate(unique, insert=True)
+            state_blocks = state.locate(unique, insert=True) if state is not None else blocks
+            if weights.layout.dtype == torch.float32:
+                holder = state if state is not None else weights
+                launch(
+                    _k_update, len(unique), device_array(weights.rows), device_array(weights.rows.view(torch.int64)),
+                    device_array(blocks), weights.layout.weight_offset, device_array(holder.rows),
+                    device_array(holder.rows.view(torch.int64)), device_array(state_blocks), self.state_start,
+                    state is not None, self.rule, *gradient, *scalars,
+                )  # fmt: skip
+            else:
+                self._update_widened(blocks, state_blocks, gradient, scalars)
+
+    def _update_widened(self, blocks, state_blocks, gradient, scalars) -> None:
+        """``update`` for 16-bit rows: the kernel on float32 copies, each value rounded once back."""
+        weights, state, layout = self.weights, self.state, self.weights.layout
+        dim, first = layout.dim, layout.weight_offset
+        rows = weights.read_blocks(blocks)
+        header = header_words(rows).contiguous()
+        in_row = state is None and self.state_width > 0
+        floats = self.state_width * rows.element_size() // 4 if in_row else 0
+        widened = torch.empty(len(rows), dim + floats, device=self.device)
+        widened[:, :dim] = rows[:, first : first + dim]
+        if in_row:
+            widened[:, dim:] = (
+                rows[:, self.state_start : self.state_start + self.state_width]
+                .contiguous()
+                .view(torch.float32)
+            )
+        own = torch.arange(len(rows), device=self.device)
+        if state is None:
+            target, target_words, target_blocks, target_start = widened, header, own, dim
+        else:
+            target, target_words = state.rows, state.rows.view(torch.int64)
+            target_blocks, target_start = state_blocks, self.state_start
+        launch(
+            _k_update, len(rows), device_array(widened), device_array(header), device_array(own), 0,
+            device_array(target), device_array(target_words), device_array(target_blocks), target_start,
+            state is not None, self.rule, *gradient, *scalars,
+        )  # fmt: skip
+        rows[:, first : first + dim] = widened[:, :dim]
+        if in_row:
+            rows[:, self.state_start : self.state_start + self.state_width] = widened[:, dim:].view(
+                rows.dtype
+            )
+        header_words(rows)[:] = header
+        weights.write_blocks(blocks, rows)

@@ -1,0 +1,72 @@
+"""The numba-cuda store engine in numba's CUDA simulator (``make test`` runs these in their own
+process, with ``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leanstate
+from leanstate import _backends
+from leanstate.reference.hashing import initial_weights
+
+pytestmark = pytest.mark.cudasim
+
+
+@pytest.fixture(autouse=True)
+def _simulated():
+    if "numba-cuda" not in _backends.available("kv_store"):
+        pytest.fail("numba-cuda is unavailable: run with NUMBA_ENABLE_CUDASIM=1 (make test does)")
+
+
+def test_the_engine_runs_in_the_simulator_on_host_tensors():
+    store = leanstate.KVStore(4, backend="numba-cuda")
+    assert store.device == torch.device("cpu") and store.engine.backend == "numba-cuda"
+    assert "numba-cuda" in leanstate.backend_info().registered["embedding"]
+
+
+def test_placement_does_not_depend_on_the_order_of_a_batch():
+    ids = torch.randperm(3000, generator=torch.Generator().manual_seed(0))[:300]
+    tables = []
+    for order in (torch.arange(300), torch.arange(299, -1, -1), torch.randperm(300)):
+        store = leanstate.KVStore(4, backend="numba-cuda")
+        store.reserve(300)  # one table size for every run: the bids alone decide the slots
+        store.set(ids[order], torch.zeros(300, 4))
+        tables.append(store.engine._table_keys.clone())
+    assert torch.equal(tables[0], tables[1]) and torch.equal(tables[0], tables[2])
+    # the smallest id wins a contested slot: no id sits before its home while a larger one holds it
+    assert int((tables[0] >= 0).sum()) == 300
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_initial_rows_are_the_references_bits(dtype):
+    ids = torch.tensor([0, 1, 7, 2**40, 2**63 - 1])
+    store = leanstate.KVStore(9, seed=2**64 - 5, init_range=(-1.0, 3.0), dtype=dtype, backend="numba-cuda")
+    rows = store.engine.initial_rows(ids)
+    first = store.layout.weight_offset
+    expected = initial_weights(ids, 9, seed=2**64 - 5, low=-1.0, high=3.0, dtype=dtype)
+    assert torch.equal(rows[:, first : first + 9].contiguous().view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_auto_on_a_cuda_machine_puts_the_gpu_engines_first(monkeypatch):
+    monkeypatch.setattr(_backends, "cuda_present", lambda: True)
+    assert _backends.auto_order("kv_store") == ["torch", "numba-cuda", "numba", "reference"]
+    assert _backends.auto_order("embedding") == ["torch", "numba-cuda", "numba", "reference"]
+    monkeypatch.setattr(_backends, "cuda_present", lambda: False)
+    assert "numba-cuda" not in _backends.auto_order("kv_store")  # never picked for the CPU
+
+
+def test_tombstones_are_reused_and_the_table_rebuilt():
+    store = leanstate.KVStore(4, backend="numba-cuda")
+    for round_ in range(6):
+        ids = torch.arange(round_ * 40, round_ * 40 + 40)
+        store.set(ids, torch.full((40, 4), float(round_)))
+        if round_ < 5:
+            assert store.delete(ids[:30]) == 30
+    keys = store.keys()
+    expected = torch.cat(
+        [torch.arange(r * 40 + 30, r * 40 + 40) for r in range(5)] + [torch.arange(200, 240)]
+    )
+    assert torch.equal(keys, expected)
+    assert torch.equal(store.get(torch.tensor([35, 235]))[:, 0], torch.tensor([0.0, 5.0]))
+    assert len(store) == 90 and store.engine._tombstones <= len(store.engine._table_keys) // 2
