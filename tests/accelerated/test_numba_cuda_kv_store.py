@@ -3,6 +3,10 @@ process, with ``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -70,3 +74,32 @@ def test_tombstones_are_reused_and_the_table_rebuilt():
     assert torch.equal(keys, expected)
     assert torch.equal(store.get(torch.tensor([35, 235]))[:, 0], torch.tensor([0.0, 5.0]))
     assert len(store) == 90 and store.engine._tombstones <= len(store.engine._table_keys) // 2
+
+
+USER_SCRIPT = """
+import tempfile, torch, leanstate
+assert leanstate.backend_info().chosen["kv_store"] == "numba-cuda"
+store = leanstate.KVStore(8, optimizer_state_dim=1)  # what a user writes: no backend, no device
+store.set(torch.tensor([3, 1, 3]), torch.ones(3, 8))
+assert store.get(torch.tensor([1]))[0, :8].sum() == 8 and len(store) == 2
+bag = leanstate.KVEmbeddingBag(100, 8, optimizer="rowwise_adagrad", lr=0.5)
+out = bag(torch.tensor([1, 2, 2, 5]), torch.tensor([0, 2]))
+out.sum().backward()
+assert bag.engine.backend == "numba-cuda" and len(bag.store) == 3
+with tempfile.TemporaryDirectory() as folder:
+    leanstate.save_checkpoint(folder + "/ck", bag.checkpoint_tables(), extra=bag.extra_state())
+    fresh = leanstate.KVEmbeddingBag(100, 8, optimizer="rowwise_adagrad", lr=0.5, backend="reference")
+    fresh.load_extra_state(leanstate.load_checkpoint(folder + "/ck", fresh.checkpoint_tables()))
+keys = bag.store.keys()
+assert torch.equal(fresh.store.get_rows(keys).view(torch.uint8), bag.store.get_rows(keys).view(torch.uint8))
+print("ok")
+"""
+
+
+def test_a_users_script_runs_on_the_numba_cuda_backend_by_environment():
+    env = {**os.environ, "LEANSTATE_BACKEND": "numba-cuda", "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", USER_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
