@@ -8,7 +8,7 @@ hash constants. The engine keeps, on its device,
   ``splitmix64(id)`` in uint64 arithmetic, ``-1`` empty, ``-2`` a tombstone, rebuilt
   past half full);
 - one pool tensor of rows that grows by an eighth (in whole 1024-row steps), with a
-  last-in-first-out free list.
+  last-in-first-out free list (the torch engine's ``RowPool``).
 
 A batch of new ids is placed by rounds of bidding, so the table does not depend on
 thread order: every pending id bids for its current slot with ``cuda.atomic.min``; the
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from numba import config, cuda
 
+from leanstate.accelerated.torch_kv_store import RowPool, last_occurrences
 from leanstate.reference.hashing import INIT_BITS, SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words
 
@@ -54,7 +55,6 @@ _STAMP_BITS = np.int64(0xFFFFFFFF)
 _COUNT_MAX = np.int64(COUNT_MAX)
 _THREADS = 16 if SIMULATED else 256  # the simulator starts one Python thread per thread of a block
 _MIN_SLOTS = 16 if SIMULATED else 1024  # the simulator runs one Python thread per slot
-_POOL_STEP = 1024
 _U64 = np.uint64
 _GOLDEN, _MIX1, _MIX2 = _U64(SPLITMIX_GOLDEN), _U64(SPLITMIX_MIX1), _U64(SPLITMIX_MIX2)
 
@@ -358,9 +358,7 @@ class KVStoreEngine:
         self._bids = torch.full((_MIN_SLOTS,), int(_NO_BID), dtype=torch.int64, device=self.device)
         self._tombstones = 0
         self._rows = 0
-        self.pool = torch.zeros(_POOL_STEP, layout.width, dtype=layout.dtype, device=self.device)
-        self._handed_out = 0
-        self._free = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._pool = RowPool(layout, self.device)
         self._seeded = _host_splitmix64(seed)
         low, high = init_range
         self._low = np.float32(low)
@@ -370,14 +368,14 @@ class KVStoreEngine:
         return self._rows
 
     def memory_bytes(self) -> int:
-        """The pool, the table (keys, blocks, bids) and the free list, in bytes."""
-        tensors = (self.pool, self._table_keys, self._table_blocks, self._bids, self._free)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """The pool, the free list and the table (keys, blocks, bids), in bytes."""
+        tables = (self._table_keys, self._table_blocks, self._bids)
+        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in the pool and the table now."""
         with self.lock:
-            self._grow_pool(self._handed_out + max(0, rows - len(self._free)))
+            self._pool.reserve(rows)
             self._fit_table(self._rows + rows)
 
     # -- the table -------------------------------------------------------------------
@@ -445,31 +443,10 @@ class KVStoreEngine:
         keys, order = torch.sort(keys)
         return keys, blocks[order]
 
-    # -- the pool ------------------------------------------------------------------
-
-    def _grow_pool(self, rows: int) -> None:
-        if rows <= len(self.pool):
-            return
-        size = max(rows, len(self.pool) + len(self.pool) // 8)
-        size = -(-size // _POOL_STEP) * _POOL_STEP
-        grown = torch.zeros(size, self.layout.width, dtype=self.layout.dtype, device=self.device)
-        grown[: len(self.pool)] = self.pool
-        self.pool = grown
-
-    def _allocate(self, n: int) -> torch.Tensor:
-        """``n`` blocks: freed ones first (the last freed first), then fresh ones."""
-        reused = self._free[len(self._free) - min(n, len(self._free)) :].flip(0)
-        self._free = self._free[: len(self._free) - len(reused)]
-        fresh = n - len(reused)
-        self._grow_pool(self._handed_out + fresh)
-        new = torch.arange(self._handed_out, self._handed_out + fresh, dtype=torch.int64, device=self.device)
-        self._handed_out += fresh
-        return torch.cat([reused, new])
-
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
         """Blocks for distinct absent keys, holding their initial rows and header (key, used)."""
         self._fit_table(self._rows + len(keys))
-        blocks = self._allocate(len(keys))
+        blocks = self._pool.allocate(len(keys))
         self._place(keys, blocks)
         self._rows += len(keys)
         rows = self.initial_rows(keys)
@@ -501,7 +478,7 @@ class KVStoreEngine:
     @property
     def rows(self) -> torch.Tensor:
         """The row pool ``[capacity, width]`` on the engine's device; valid until the next insert."""
-        return self.pool
+        return self._pool.rows
 
     def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
         """Block of each id, -1 missing, -2 negative; ``insert=True`` inserts the missing
@@ -516,13 +493,13 @@ class KVStoreEngine:
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Whole rows (a copy) of present blocks."""
         out = torch.empty(len(blocks), self.layout.width, dtype=self.layout.dtype, device=self.device)
-        launch(_k_gather, out.numel(), device_array(elements(self.pool)), device_array(blocks), 0,
+        launch(_k_gather, out.numel(), device_array(elements(self.rows)), device_array(blocks), 0,
                device_array(elements(out)))  # fmt: skip
         return out
 
     def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole rows written at present, distinct blocks."""
-        launch(_k_put, rows.numel(), device_array(elements(self.pool)), device_array(blocks),
+        launch(_k_put, rows.numel(), device_array(elements(self.rows)), device_array(blocks),
                device_array(elements(rows.contiguous())))  # fmt: skip
 
     # -- reads -----------------------------------------------------------------------
@@ -538,7 +515,7 @@ class KVStoreEngine:
         )
         with self.lock:
             blocks = self._lookup(ids)
-            launch(_k_gather, len(ids) * width, device_array(elements(self.pool)), device_array(blocks), start,
+            launch(_k_gather, len(ids) * width, device_array(elements(self.rows)), device_array(blocks), start,
                    device_array(elements(result)))  # fmt: skip
         if initial and width:
             missing = torch.nonzero(blocks == -1).flatten()
@@ -556,7 +533,7 @@ class KVStoreEngine:
         out = torch.empty(len(ids), dtype=torch.int64, device=self.device)
         with self.lock:
             blocks = self._lookup(ids)
-            launch(_k_metadata, len(ids), device_array(self.pool.view(torch.int64)), device_array(blocks),
+            launch(_k_metadata, len(ids), device_array(self.rows.view(torch.int64)), device_array(blocks),
                    device_array(out))  # fmt: skip
         return out
 
@@ -567,34 +544,26 @@ class KVStoreEngine:
 
     # -- writes ----------------------------------------------------------------------
 
-    @staticmethod
-    def _last(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(distinct keys ascending, position of each one's last occurrence, occurrences)."""
-        unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        last = torch.full((len(unique),), -1, dtype=torch.int64, device=keys.device)
-        last.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amax")
-        return unique, last, counts
-
     def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
         """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``."""
         kept = torch.nonzero(ids >= 0).flatten()
-        unique, last, occurrences = self._last(ids[kept])
+        unique, last, occurrences = last_occurrences(ids[kept])
         with self.lock:
             blocks = self.locate(unique, insert=True)
             launch(
-                _k_write_columns, len(unique) * values.shape[1], device_array(elements(self.pool)),
+                _k_write_columns, len(unique) * values.shape[1], device_array(elements(self.rows)),
                 device_array(blocks), device_array(kept[last]), device_array(elements(values)), start,
             )  # fmt: skip
-            launch(_k_stamp, len(unique), device_array(self.pool.view(torch.int64)), device_array(blocks),
+            launch(_k_stamp, len(unique), device_array(self.rows.view(torch.int64)), device_array(blocks),
                    device_array(occurrences), now)  # fmt: skip
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
         words = rows.view(torch.int64)
-        unique, last, _ = self._last(words[:, 0].contiguous())
+        unique, last, _ = last_occurrences(words[:, 0].contiguous())
         with self.lock:
             blocks = self.locate(unique, insert=True)
-            launch(_k_write_rows, len(unique) * words.shape[1], device_array(self.pool.view(torch.int64)),
+            launch(_k_write_rows, len(unique) * words.shape[1], device_array(self.rows.view(torch.int64)),
                    device_array(blocks), device_array(last), device_array(words))  # fmt: skip
 
     def _remove(self, keys: torch.Tensor) -> int:
@@ -603,12 +572,12 @@ class KVStoreEngine:
         removed = torch.zeros(1, dtype=torch.int64, device=self.device)
         launch(
             _k_remove, len(keys), device_array(self._table_keys), device_array(self._table_blocks),
-            device_array(self.pool.view(torch.int64)), device_array(keys), device_array(freed),
+            device_array(self.rows.view(torch.int64)), device_array(keys), device_array(freed),
             device_array(removed),
         )  # fmt: skip
         count = int(removed)
         # the threads listed the freed blocks in any order: sorted, reuse is the same every run
-        self._free = torch.cat([self._free, torch.sort(freed[:count]).values])
+        self._pool.release(torch.sort(freed[:count]).values)
         self._tombstones += count
         self._rows -= count
         return count
@@ -632,7 +601,7 @@ class KVStoreEngine:
         layout = self.layout
         with self.lock:
             keys, blocks = self._sorted_live()
-            words = self.pool.view(torch.int64)
+            words = self.rows.view(torch.int64)
             if min_l2_norm is not None:
                 weights = self.read_blocks(blocks)[
                     :, layout.weight_offset : layout.weight_offset + layout.dim

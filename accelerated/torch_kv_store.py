@@ -64,6 +64,61 @@ def stamp(rows: torch.Tensor, writes: torch.Tensor | int, now: int) -> None:
     header[:, 1] = pack_metadata(torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool))
 
 
+class RowPool:
+    """One tensor of rows that grows by an eighth, in whole 1024-row steps, with a
+    last-in-first-out free list (the torch and numba-cuda engines keep their rows in one).
+
+    At most an eighth of the pool sits unused (the memory target is 1.1x the row bytes),
+    and each row is copied about eight times at most as the pool grows.
+    """
+
+    def __init__(self, layout: RowLayout, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+        self.rows = torch.zeros(1024, layout.width, dtype=layout.dtype, device=device)
+        self.handed_out = 0  # blocks ever taken (free ones included)
+        self.free = torch.empty(0, dtype=torch.int64, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of the rows and the free list."""
+        return self.rows.numel() * self.rows.element_size() + self.free.numel() * 8
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more blocks now."""
+        self.grow(self.handed_out + max(0, rows - len(self.free)))
+
+    def grow(self, rows: int) -> None:
+        """At least ``rows`` rows (existing rows copied; new ones zero)."""
+        if rows <= len(self.rows):
+            return
+        size = max(rows, len(self.rows) + len(self.rows) // 8)
+        size = -(-size // 1024) * 1024
+        grown = torch.zeros(size, self.layout.width, dtype=self.layout.dtype, device=self.device)
+        grown[: len(self.rows)] = self.rows
+        self.rows = grown
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """``n`` blocks: freed ones first (the last freed first), then fresh ones."""
+        reused = self.free[len(self.free) - min(n, len(self.free)) :].flip(0)
+        self.free = self.free[: len(self.free) - len(reused)]
+        fresh = n - len(reused)
+        self.grow(self.handed_out + fresh)
+        new = torch.arange(self.handed_out, self.handed_out + fresh, dtype=torch.int64, device=self.device)
+        self.handed_out += fresh
+        return torch.cat([reused, new])
+
+    def release(self, blocks: torch.Tensor) -> None:
+        """Blocks (already zeroed) back on the free list, in order."""
+        self.free = torch.cat([self.free, blocks])
+
+
+def last_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct keys ascending, position of each one's last occurrence, occurrences)."""
+    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    last = torch.full((len(unique),), -1, dtype=torch.int64, device=keys.device)
+    last.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amax")
+    return unique, last, counts
+
+
 class KVStoreEngine:
     """The torch store engine (``spec/backends.md``): one hash table and one row pool.
 
@@ -92,9 +147,7 @@ class KVStoreEngine:
         self._table_keys = torch.full((1024,), _EMPTY, dtype=torch.int64, device=self.device)
         self._table_blocks = torch.full((1024,), -1, dtype=torch.int64, device=self.device)
         self._tombstones = 0
-        self.pool = torch.zeros(1024, layout.width, dtype=layout.dtype, device=self.device)
-        self._handed_out = 0
-        self._free = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._pool = RowPool(layout, self.device)
         self._rows = 0
         self._seeded = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64, device=self.device))
 
@@ -103,13 +156,13 @@ class KVStoreEngine:
 
     def memory_bytes(self) -> int:
         """The pool, the table and the free list, in bytes."""
-        tensors = (self.pool, self._table_keys, self._table_blocks, self._free)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tables = (self._table_keys, self._table_blocks)
+        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in the pool and the table now."""
         with self.lock:
-            self._grow_pool(self._handed_out + max(0, rows - len(self._free)))
+            self._pool.reserve(rows)
             self._fit_table(self._rows + rows)
 
     # -- the table ---------------------------------------------------------------------
@@ -177,36 +230,15 @@ class KVStoreEngine:
 
     # -- the pool --------------------------------------------------------------------
 
-    def _grow_pool(self, rows: int) -> None:
-        if rows <= len(self.pool):
-            return
-        # One-eighth steps, in whole 1024-row chunks: at most 1/8 of the pool sits unused
-        # (the memory target is 1.1x the row bytes), and each row is copied ~8 times at most.
-        size = max(rows, len(self.pool) + len(self.pool) // 8)
-        size = -(-size // 1024) * 1024
-        grown = torch.zeros(size, self.layout.width, dtype=self.layout.dtype, device=self.device)
-        grown[: len(self.pool)] = self.pool
-        self.pool = grown
-
-    def _allocate(self, n: int) -> torch.Tensor:
-        """``n`` blocks: freed ones first (the last freed first), then fresh ones."""
-        reused = self._free[len(self._free) - min(n, len(self._free)) :].flip(0)
-        self._free = self._free[: len(self._free) - len(reused)]
-        fresh = n - len(reused)
-        self._grow_pool(self._handed_out + fresh)
-        new = torch.arange(self._handed_out, self._handed_out + fresh, dtype=torch.int64, device=self.device)
-        self._handed_out += fresh
-        return torch.cat([reused, new])
-
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
         """Blocks for distinct absent keys, holding their initial rows and header (key, used)."""
         self._fit_table(self._rows + len(keys))
-        blocks = self._allocate(len(keys))
+        blocks = self._pool.allocate(len(keys))
         self._place(keys, blocks)
         self._rows += len(keys)
         rows = self.initial_rows(keys)
         header_words(rows)[:, 1] = _USED
-        self.pool.index_copy_(0, blocks, rows)
+        self.rows.index_copy_(0, blocks, rows)
         return blocks
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -234,7 +266,7 @@ class KVStoreEngine:
     @property
     def rows(self) -> torch.Tensor:
         """The row pool ``[capacity, width]`` on the engine's device; valid until the next insert."""
-        return self.pool
+        return self._pool.rows
 
     def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
         """Block of each id, -1 when missing or negative; ``insert=True`` inserts the missing
@@ -249,11 +281,11 @@ class KVStoreEngine:
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Whole rows (a copy) of present blocks."""
-        return self.pool.index_select(0, blocks)
+        return self.rows.index_select(0, blocks)
 
     def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole rows written at present, distinct blocks."""
-        self.pool.index_copy_(0, blocks, rows)
+        self.rows.index_copy_(0, blocks, rows)
 
     # -- reads -----------------------------------------------------------------------
 
@@ -266,7 +298,7 @@ class KVStoreEngine:
             blocks = self._lookup(ids)
             result = torch.zeros(len(ids), width, dtype=self.layout.dtype, device=self.device)
             present = torch.nonzero(blocks >= 0).flatten()
-            result[present] = self.pool.index_select(0, blocks[present])[:, start : start + width]
+            result[present] = self.rows.index_select(0, blocks[present])[:, start : start + width]
         if initial:
             missing = torch.nonzero((blocks < 0) & (ids >= 0)).flatten()
             if len(missing):
@@ -284,7 +316,7 @@ class KVStoreEngine:
             blocks = self._lookup(ids.to(self.device))
             out = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
             present = torch.nonzero(blocks >= 0).flatten()
-            out[present] = header_words(self.pool.index_select(0, blocks[present]))[:, 1]
+            out[present] = header_words(self.rows.index_select(0, blocks[present]))[:, 1]
             return out
 
     def keys(self) -> torch.Tensor:
@@ -293,14 +325,6 @@ class KVStoreEngine:
             return torch.sort(self._table_keys[self._table_keys >= 0]).values
 
     # -- writes ----------------------------------------------------------------------
-
-    @staticmethod
-    def _last(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(distinct keys ascending, position of each one's last occurrence, occurrences)."""
-        unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        last = torch.full((len(unique),), -1, dtype=torch.int64, device=keys.device)
-        last.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amax")
-        return unique, last, counts
 
     def _blocks_for(self, unique: torch.Tensor) -> torch.Tensor:
         """Blocks of distinct non-negative ids, inserting the absent ones."""
@@ -314,34 +338,34 @@ class KVStoreEngine:
         """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``."""
         ids, values = ids.to(self.device), values.to(self.device)
         kept = torch.nonzero(ids >= 0).flatten()
-        unique, last, occurrences = self._last(ids[kept])
+        unique, last, occurrences = last_occurrences(ids[kept])
         with self.lock:
             blocks = self._blocks_for(unique)
-            rows = self.pool.index_select(0, blocks)
+            rows = self.rows.index_select(0, blocks)
             rows[:, start : start + values.shape[1]] = values[kept[last]]
             stamp(rows, occurrences, now)
-            self.pool.index_copy_(0, blocks, rows)
+            self.rows.index_copy_(0, blocks, rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
         rows = rows.to(self.device)
-        unique, last, _ = self._last(header_words(rows)[:, 0])
+        unique, last, _ = last_occurrences(header_words(rows)[:, 0])
         with self.lock:
             blocks = self._blocks_for(unique)
             chosen = rows.index_select(0, last)  # a copy: the caller's rows stay as they were
             header_words(chosen)[:, 1] |= _USED
-            self.pool.index_copy_(0, blocks, chosen)
+            self.rows.index_copy_(0, blocks, chosen)
 
     def _remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Delete distinct non-negative keys: zero and free their blocks; the keys removed."""
         slots, blocks = self._probe(keys)
         present = torch.nonzero(blocks >= 0).flatten()
         slots, blocks = slots[present], blocks[present]
-        self.pool.index_fill_(0, blocks, 0)
+        self.rows.index_fill_(0, blocks, 0)
         self._table_keys[slots] = _TOMBSTONE
         self._tombstones += len(slots)
         self._rows -= len(slots)
-        self._free = torch.cat([self._free, blocks])
+        self._pool.release(blocks)
         return keys[present]
 
     def delete(self, ids: torch.Tensor) -> int:
@@ -363,7 +387,7 @@ class KVStoreEngine:
         layout = self.layout
         with self.lock:
             keys = torch.sort(self._table_keys[self._table_keys >= 0]).values
-            rows = self.pool.index_select(0, self._probe(keys)[1])
+            rows = self.rows.index_select(0, self._probe(keys)[1])
             stamped, count, _ = unpack_metadata(header_words(rows)[:, 1])
             doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
             if min_count is not None:
