@@ -204,7 +204,7 @@ def _write_table_pipelined(
     rows_per_chunk = max(1, chunk_bytes // layout.row_bytes)
     keys = store.keys().cpu()
     size = min(rows_per_chunk, len(keys))
-    pin = torch.cuda.is_available() and store_device(store).type == "cuda"
+    pin = torch.cuda.is_available() and _store_device(store).type == "cuda"
     buffers = [torch.empty(size, layout.width, dtype=layout.dtype, pin_memory=pin) for _ in range(2)]
     chunks: list[dict] = []
     offset = 0
@@ -237,7 +237,7 @@ def _write_table_pipelined(
     return _table_entry(layout, file, chunks)
 
 
-def store_device(store: KVStore) -> torch.device:
+def _store_device(store: KVStore) -> torch.device:
     """Where a store's rows live (the CPU for stores that do not say)."""
     return torch.device(getattr(store, "device", "cpu"))
 
