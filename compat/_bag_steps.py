@@ -74,9 +74,8 @@ def normalise(bag, input, offsets, per_sample_weights):
     else:
         raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
     ids, offsets = ids.to(bag.device).contiguous(), offsets.to(bag.device, torch.int64)
-    if len(offsets) and (
-        int(offsets[0]) != 0 or bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > len(ids)
-    ):
+    # one check, so one host sync on a device: start at 0, never decrease, end within the input
+    if len(offsets) and bool((offsets[0] != 0) | (torch.diff(offsets) < 0).any() | (offsets[-1] > len(ids))):
         raise ValueError(
             f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
             f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
