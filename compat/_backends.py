@@ -14,9 +14,10 @@ unavailable, with the error as the reason. Adding a backend is one file and one 
 here; ``backend_info()``, the differential tests, ``leanstate bench`` and the asv
 suites enumerate the registry. Selection reads ``LEANSTATE_BACKEND`` (``auto`` by
 default, or a backend name): a name is tried first, then the ``auto`` order of this
-machine, which always ends at ``reference``. ``import leanstate`` never fails for a
-missing backend: the choice falls back, and the reason is kept for
-:func:`backend_info`.
+machine, which always ends at ``reference``. A component's choice is made the first
+time it is needed (``LEANSTATE_BACKEND`` is read at import), so importing leanstate
+loads no engine module. A missing backend never fails: the choice falls back, and the
+reason is kept for :func:`backend_info`.
 """
 
 from __future__ import annotations
@@ -143,14 +144,19 @@ class BackendInfo:
     registered: dict[str, list[str]] = field(default_factory=dict)
     dependencies: dict[str, str] = field(default_factory=dict)
 
+    def choice(self, component: str) -> str:
+        """The backend chosen for ``component``, selected on first use (so ``import leanstate``
+        loads no engine module, and a program using only ZeRO never imports numba)."""
+        if component not in self.chosen:
+            self.registered[component] = implementations(component)
+            self.chosen[component], self.reasons[component] = select(component, self.requested)
+        return self.chosen[component]
+
     def reselect(self) -> None:
-        """Redo the selection of every component (after the registry changed)."""
+        """Forget every selection (after the registry changed); each is redone on first use."""
         self.chosen.clear()
         self.reasons.clear()
         self.registered.clear()
-        for component in components():
-            self.registered[component] = implementations(component)
-            self.chosen[component], self.reasons[component] = select(component, self.requested)
 
     def __str__(self) -> str:
         lines = [f"leanstate backends ({ENV_VAR}={self.requested})"]
@@ -192,7 +198,7 @@ def resolve(component: str, backend: str | None) -> tuple[str, ModuleType]:
     An explicit ``backend=`` that cannot serve raises ``ValueError`` saying why.
     """
     if backend is None:
-        backend = CHOSEN.chosen[component]
+        backend = CHOSEN.choice(component)
     elif backend not in backends():
         raise ValueError(f"backend={backend!r} is not one of {', '.join(backends())}")
     elif backend not in implementations(component):
@@ -216,6 +222,11 @@ def backend_info() -> BackendInfo:
             - chose numba
           ...
     """
+    for component in components():
+        CHOSEN.choice(component)
+    for table in (CHOSEN.chosen, CHOSEN.reasons, CHOSEN.registered):  # registry order
+        ordered = {c: table.pop(c) for c in components()}
+        table.update(ordered)
     CHOSEN.dependencies.clear()
     for (component, backend), _ in REGISTRY.items():
         problem = load(component, backend)[1]
@@ -227,4 +238,3 @@ def backend_info() -> BackendInfo:
 
 
 CHOSEN = BackendInfo(requested=os.environ.get(ENV_VAR, "auto").strip() or "auto")
-CHOSEN.reselect()

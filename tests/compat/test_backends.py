@@ -97,6 +97,16 @@ def test_public_class_builds_the_chosen_backend_and_accepts_backend():
     assert leanstate.KVStore(4, dtype=torch.float16).dtype == torch.float16
 
 
+def test_import_loads_no_engine_module_until_a_component_is_used():
+    code = (
+        "import sys, leanstate\n"
+        "print(any(m.startswith('leanstate.accelerated') for m in sys.modules), 'numba' in sys.modules)\n"
+        "leanstate.KVStore(4)\n"
+        "print(leanstate.backend_info().chosen['kv_store'], 'numba' in sys.modules)"
+    )
+    assert run_python(code).split() == ["False", "False", "numba", "True"]
+
+
 def test_zero_is_one_real_optimizer_class():
     assert issubclass(leanstate.ZeroRedundancyOptimizer, torch.optim.Optimizer)
     assert type(leanstate.ZeroRedundancyOptimizer) is abc.ABCMeta  # Joinable's, no dispatch metaclass
