@@ -37,7 +37,8 @@ from leanstate.accelerated.numba_cuda_kv_store import (
     sqrt,
     unavailable,
 )
-from leanstate.reference.row_format import COUNT_MAX, header_words
+from leanstate.accelerated.numba_embedding import WidenedRows
+from leanstate.reference.row_format import COUNT_MAX
 
 AUTO_PRIORITY = {"cuda": 25}
 BENCH_TARGETS = {"sgd": (">=", 0.5), "rowwise_adagrad": (">=", 1.0)}
@@ -289,35 +290,24 @@ class EmbeddingEngine:
 
     def _update_widened(self, blocks, state_blocks, gradient, scalars) -> None:
         """``update`` for 16-bit rows: the kernel on float32 copies, each value rounded once back."""
-        weights, state, layout = self.weights, self.state, self.weights.layout
-        dim, first = layout.dim, layout.weight_offset
-        rows = weights.read_blocks(blocks)
-        header = header_words(rows).contiguous()
-        in_row = state is None and self.state_width > 0
-        floats = self.state_width * rows.element_size() // 4 if in_row else 0
-        widened = torch.empty(len(rows), dim + floats, device=self.device)
-        widened[:, :dim] = rows[:, first : first + dim]
-        if in_row:
-            widened[:, dim:] = (
-                rows[:, self.state_start : self.state_start + self.state_width]
-                .contiguous()
-                .view(torch.float32)
-            )
-        own = torch.arange(len(rows), device=self.device)
+        weights, state = self.weights, self.state
+        wide = WidenedRows(
+            weights.read_blocks(blocks), weights.layout, self.state_start, self.state_width, state is None
+        )
+        own = torch.arange(len(blocks), device=self.device)
         if state is None:
-            target, target_words, target_blocks, target_start = widened, header, own, dim
+            target, target_words, target_blocks, target_start = (
+                wide.values,
+                wide.header,
+                own,
+                weights.layout.dim,
+            )
         else:
             target, target_words = state.rows, state.rows.view(torch.int64)
             target_blocks, target_start = state_blocks, self.state_start
         launch(
-            _k_update, len(rows), device_array(widened), device_array(header), device_array(own), 0,
+            _k_update, len(blocks), device_array(wide.values), device_array(wide.header), device_array(own), 0,
             device_array(target), device_array(target_words), device_array(target_blocks), target_start,
             state is not None, self.rule, *gradient, *scalars,
         )  # fmt: skip
-        rows[:, first : first + dim] = widened[:, :dim]
-        if in_row:
-            rows[:, self.state_start : self.state_start + self.state_width] = widened[:, dim:].view(
-                rows.dtype
-            )
-        header_words(rows)[:] = header
-        weights.write_blocks(blocks, rows)
+        weights.write_blocks(blocks, wide.rounded_rows())

@@ -331,30 +331,55 @@ class EmbeddingEngine:
 
     def _update_widened(self, blocks, state_blocks, gradient, scalars) -> None:
         """``update`` for 16-bit rows: the kernel on float32 copies, each value rounded once back."""
-        weights, state, layout = self.weights, self.state, self.weights.layout
-        dim, first = layout.dim, layout.weight_offset
-        rows = weights.read_blocks(blocks)
-        header = header_words(rows).contiguous()
-        in_row = state is None and self.state_width > 0
-        widened = torch.empty(len(rows), dim + (self.state_width * rows.element_size() // 4 if in_row else 0))
-        widened[:, :dim] = rows[:, first : first + dim]
-        if in_row:
-            state_columns = rows[:, self.state_start : self.state_start + self.state_width].contiguous()
-            widened[:, dim:] = state_columns.view(torch.float32)
-        own = np.arange(len(rows), dtype=np.int64)
+        weights, state = self.weights, self.state
+        wide = WidenedRows(
+            weights.read_blocks(blocks), weights.layout, self.state_start, self.state_width, state is None
+        )
+        own = np.arange(len(blocks), dtype=np.int64)
         if state is None:
-            target, target_words, target_blocks, target_start = widened, header, own, dim
+            target, target_words, target_blocks, target_start = (
+                wide.values,
+                wide.header,
+                own,
+                weights.layout.dim,
+            )
         else:
             target, target_words = state.rows, state.rows.view(torch.int64)
             target_blocks, target_start = state_blocks.numpy(), self.state_start
         _update(
-            widened.numpy(), header.numpy(), own, 0, target.numpy(), target_words.numpy(),
+            wide.values.numpy(), wide.header.numpy(), own, 0, target.numpy(), target_words.numpy(),
             target_blocks, target_start, state is not None, self.rule, *gradient, *scalars,
         )  # fmt: skip
-        rows[:, first : first + dim] = widened[:, :dim]
-        if in_row:
-            rows[:, self.state_start : self.state_start + self.state_width] = widened[:, dim:].view(
-                rows.dtype
-            )
-        header_words(rows)[:] = header
-        weights.write_blocks(blocks, rows)
+        weights.write_blocks(blocks, wide.rounded_rows())
+
+
+class WidenedRows:
+    """Touched 16-bit rows widened for float32 kernels (numba has no 16-bit arithmetic).
+
+    ``values`` is float32 ``[N, dim + state floats]``: the weights, then (when the state
+    lives in the row) the state's float32 values; ``header`` the rows' int64 header words.
+    A kernel updates both in place; ``rounded_rows()`` writes them back into the rows,
+    each new weight rounded once. Shared by the numba and numba-cuda engines.
+    """
+
+    def __init__(
+        self, rows: torch.Tensor, layout, state_start: int, state_width: int, state_in_row: bool
+    ) -> None:
+        self.rows, self.layout = rows, layout
+        self.state = slice(state_start, state_start + state_width) if state_in_row and state_width else None
+        dim, first = layout.dim, layout.weight_offset
+        floats = state_width * rows.element_size() // 4 if self.state is not None else 0
+        self.values = torch.empty(len(rows), dim + floats, device=rows.device)
+        self.values[:, :dim] = rows[:, first : first + dim]
+        if self.state is not None:
+            self.values[:, dim:] = rows[:, self.state].contiguous().view(torch.float32)
+        self.header = header_words(rows).contiguous()
+
+    def rounded_rows(self) -> torch.Tensor:
+        """The rows with the updated weights (rounded once), state bytes and headers."""
+        rows, dim, first = self.rows, self.layout.dim, self.layout.weight_offset
+        rows[:, first : first + dim] = self.values[:, :dim]
+        if self.state is not None:
+            rows[:, self.state] = self.values[:, dim:].view(rows.dtype)
+        header_words(rows)[:] = self.header
+        return rows
