@@ -1,4 +1,4 @@
-"""Command line: ``python -m leanstate {demo,info,bench,inspect,gpu-check}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,inspect,convert,gpu-check}``."""
 
 from __future__ import annotations
 
@@ -143,6 +143,18 @@ def _gpu_check(args: argparse.Namespace) -> int:
     return run(Path(args.out), rows=args.rows, batch=args.batch)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from leanstate.dcp import convert
+
+    try:
+        written = convert(args.source, args.target)
+    except (leanstate.CheckpointError, FileNotFoundError) as exc:
+        print(f"convert failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.source} -> {args.target} ({'DCP' if written == 'dcp' else 'whole-row, version 1'})")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     print(leanstate.backend_info())
     return 0
@@ -166,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")
     inspect.set_defaults(run=_inspect)
+    convert = commands.add_parser(
+        "convert", help="convert a whole-row checkpoint to torch.distributed.checkpoint (DCP) or back"
+    )
+    convert.add_argument("source", help="a whole-row checkpoint directory, or a DCP one")
+    convert.add_argument("target", help="the directory to write, in the other format")
+    convert.set_defaults(run=_convert)
     gpu = commands.add_parser(
         "gpu-check", help="the gpu-marked tests and the GPU bench (needs a CUDA device)"
     )

@@ -142,7 +142,7 @@ def chunk_entry(rows: torch.Tensor, offset: int, crc: int) -> dict:
     return {"offset": offset, "rows": len(rows), "min_id": int(ids[0]), "max_id": int(ids[-1]), "crc": crc}
 
 
-def _table_entry(layout: RowLayout, file: Path, chunks: list[dict]) -> dict:
+def table_entry(layout: RowLayout, file: Path, chunks: list[dict]) -> dict:
     """The manifest entry of one table written to ``file`` as ``chunks``."""
     return {
         "file": file.name,
@@ -188,7 +188,7 @@ def _write_table(store: KVStore, file: Path, chunk_bytes: int, progress: Progres
                 progress(name, min(start + rows_per_chunk, len(keys)), len(keys))
         f.flush()
         os.fsync(f.fileno())
-    return _table_entry(layout, file, chunks)
+    return table_entry(layout, file, chunks)
 
 
 def _write_table_pipelined(
@@ -234,7 +234,7 @@ def _write_table_pipelined(
             chunks.append(chunk_entry(pending[1], offset, pending[0].result()))
         f.flush()
         os.fsync(f.fileno())
-    return _table_entry(layout, file, chunks)
+    return table_entry(layout, file, chunks)
 
 
 def _store_device(store: KVStore) -> torch.device:
@@ -632,7 +632,7 @@ def _chunks_in_range(table: dict, id_range: tuple[int, int] | None) -> list[tupl
     return [(i, c) for i, c in chunks if c["max_id"] >= lo and c["min_id"] < hi]
 
 
-def _read_chunks(
+def read_chunks(
     path: Path, name: str, table: dict, chunks: list[tuple[int, dict]], slice_bytes: int
 ) -> Iterator[tuple[int, memoryview | None]]:
     """Yield (chunk index, bytes) in slices of whole rows of at most ``slice_bytes``.
@@ -699,7 +699,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]
     manifest = read_manifest(path)
     for name, table in manifest["tables"].items():
         chunks = _chunks_in_range(table, None)
-        for index, buffer in _read_chunks(path, name, table, chunks, DEFAULT_CHUNK_BYTES):
+        for index, buffer in read_chunks(path, name, table, chunks, DEFAULT_CHUNK_BYTES):
             if buffer is None:
                 yield name, index, table["chunks"][index]["rows"]
     read_extra(path, manifest)
@@ -779,7 +779,7 @@ def load_checkpoint(
     if not one_pass:
         for target, table, chunks in plan:
             if table is not None:
-                for _ in _read_chunks(path, target.name, table, chunks, chunk_bytes):
+                for _ in read_chunks(path, target.name, table, chunks, chunk_bytes):
                     pass
     try:
         _apply(path, manifest, plan, id_range, chunk_bytes, progress)
@@ -802,7 +802,7 @@ def _apply(
         layout = target.store.layout
         done = 0
         reserved = False
-        for _, buffer in _read_chunks(path, target.name, table, chunks, min(chunk_bytes, SLICE_BYTES)):
+        for _, buffer in read_chunks(path, target.name, table, chunks, min(chunk_bytes, SLICE_BYTES)):
             if buffer is None:
                 continue
             if not reserved:  # the file's size matched the manifest: grow the store once
