@@ -127,6 +127,17 @@ class CheckpointIO:
         target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
         load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes)
 
+    def dcp_save(self) -> None:
+        from leanstate import dcp
+
+        dcp.save({"t": self.store}, checkpoint_id=self.folder / "dcp")
+
+    def dcp_load(self) -> None:
+        from leanstate import dcp
+
+        target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
+        dcp.load({"t": target}, checkpoint_id=self.folder / "dcp")
+
     def write_plain(self) -> None:
         plain_write(self.plain, self.bytes)
 
@@ -406,6 +417,10 @@ def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_
         return json.loads(Path(out).read_text())
 
 
+# DCP save and load throughput against the native whole-row format's, in the same run.
+DCP_TARGET = (">=", 0.7)
+
+
 def _target(component: str, op: str, backend: str) -> tuple[str, float] | None:
     """The target of ``op`` declared by ``backend``'s engine module of ``component``
     (``BENCH_TARGETS``: throughput of leanstate / throughput of the peer, 1.0 = as fast,
@@ -483,14 +498,33 @@ def report(
     for name in _backends.available("kv_store"):
         io = CheckpointIO(rows, dim, name)
         try:
+            io.dcp_save()
             times = best_times(
-                {"save": io.save, "write": io.write_plain, "load": io.load, "read": io.read_plain}
+                {
+                    "save": io.save,
+                    "write": io.write_plain,
+                    "load": io.load,
+                    "read": io.read_plain,
+                    "dcp save": io.dcp_save,
+                    "dcp load": io.dcp_load,
+                }
             )
         finally:
             io.close()
         for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
             target = _target("kv_store", op, name)
             add("checkpoint", f"{op} {rows} rows s", times[op], peer_name, times[peer], target, name=name)
+        for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
+            mine = f"dcp {op}"
+            add(
+                "checkpoint",
+                f"{mine} {rows} rows s",
+                times[mine],
+                f"whole-row {op}",
+                times[op],
+                DCP_TARGET,
+                name=name,
+            )
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds

@@ -29,7 +29,9 @@ import pickle
 import secrets
 import shutil
 import stat
+import struct
 import threading
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -200,7 +202,9 @@ class _StoreRows:
                 "leanstate.dcp.save: ids were deleted from a store while it was being saved; "
                 "save while the stores are not written"
             )
-        return rows.view(torch.uint8).clone()
+        data = rows.view(torch.uint8)
+        # torch.save writes a tensor's whole storage: a view into a larger one is copied out
+        return data if data.untyped_storage().nbytes() == data.numel() else data.clone()
 
     def known_crc(self, k: int) -> int | None:
         return None
@@ -484,6 +488,8 @@ class _Job:
     crc: torch.Tensor  # the saved CRC of every chunk, as read
     crc_read: torch.Tensor  # which of them have been read
     computed: dict[int, int]  # chunk -> CRC of the bytes read, not yet compared
+    expected_rows: int = 0  # about the rows this rank applies: what an empty store reserves
+    reserved: bool = False
 
 
 class KVLoadPlanner(DefaultLoadPlanner):
@@ -603,6 +609,9 @@ class KVLoadPlanner(DefaultLoadPlanner):
                 chunk = job.saved["chunks"][k]
                 rows.append(_read_item(job.table + ROWS, (chunk[OFFSET], 0), (chunk[NROWS], r)))
             self.stats[job.table] = {"chunks": 0, "of": len(job.saved["chunks"]), "rows": 0}
+            planned = sum(job.saved["chunks"][k][NROWS] for k in job.chunks)
+            pruned = len(job.chunks) < len(job.saved["chunks"]) or self._world == 1
+            job.expected_rows = planned if pruned else -(-planned // self._world)
         self._kv_items = len(meta) + len(rows)
         # The CRCs first: the reader reads a file's items in plan order, so each chunk's CRC
         # is known before the chunk arrives.
@@ -658,11 +667,25 @@ class KVLoadPlanner(DefaultLoadPlanner):
                 )
         else:
             self._commit_rows(job, read_item, tensor)
+        self._count_commit()
+
+    def _count_commit(self) -> None:
         with self._lock:
             self._committed += 1
             last = self._committed == self._kv_items
         if last:
             self._check_deferred()
+
+    def _takes_loaded(self, read_item: ReadItem) -> bool:
+        """Whether ``read_item`` is a KV chunk, which :class:`SafeFileSystemReader` hands over as
+        loaded (the reused buffer of ``resolve_tensor`` is for other readers)."""
+        job, suffix = self._job_of(read_item.dest_index.fqn)
+        return job is not None and suffix == ROWS
+
+    def _commit_loaded(self, read_item: ReadItem, rows: torch.Tensor) -> None:
+        job, _ = self._job_of(read_item.dest_index.fqn)
+        self._commit_rows(job, read_item, rows.contiguous())
+        self._count_commit()
 
     def _commit_rows(self, job: _Job, read_item: ReadItem, rows: torch.Tensor) -> None:
         offset = read_item.dest_offsets[0]
@@ -700,6 +723,10 @@ class KVLoadPlanner(DefaultLoadPlanner):
             mine = table.owner(ids, self._world) == self._rank
             if not bool(mine.all()):
                 values = values[mine]
+        if not job.reserved:  # grow an empty store once, as the native load does
+            job.reserved = True
+            if len(job.entry.store) == 0 and hasattr(job.entry.store, "reserve"):
+                job.entry.store.reserve(job.expected_rows)
         if len(values):
             job.entry.store.set_rows(values.to(getattr(job.entry.store, "device", "cpu")))
         stats["rows"] += len(values)
@@ -861,6 +888,12 @@ class SafeFileSystemReader(FileSystemReader):
                         raise CheckpointError(
                             f"{file}: {what} is stored transformed; SafeFileSystemReader reads plain items"
                         )
+                    if getattr(planner, "_takes_loaded", lambda _: False)(item) and not any(
+                        item.storage_offsets
+                    ):
+                        rows = _read_stored_rows(f, info, item.lengths, file, what)
+                        planner._commit_loaded(item, rows)  # read straight into one reused buffer
+                        continue
                     f.seek(info.offset)
                     data = f.read(info.length)
                     if len(data) != info.length:
@@ -890,6 +923,62 @@ class SafeFileSystemReader(FileSystemReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, as a seekable file of its own."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        self.f, self.offset, self.length, self.position = f, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(0, base + position), self.length)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[: self.length - self.position]
+        self.f.seek(self.offset + self.position)
+        n = self.f.readinto(view)
+        self.position += n
+        return n
+
+
+_ROW_BUFFERS = threading.local()
+
+
+def _read_stored_rows(f, info, lengths, file: Path, what: str) -> torch.Tensor:
+    """The ``uint8 [n, R]`` tensor DCP stored for a KV chunk (a ``torch.save`` zip), read from its
+    uncompressed data record into a reused buffer: one copy, as the native load makes."""
+    n, r = lengths
+    try:
+        records = zipfile.ZipFile(_Slice(f, info.offset, info.length)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CheckpointError(f"{file}: {what} is not a tensor record ({exc}); the file is corrupt") from exc
+    data = [record for record in records if record.filename.endswith("/data/0")]
+    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != n * r:
+        raise CheckpointError(f"{file}: {what} does not hold a uint8 [{n}, {r}] tensor; the file is corrupt")
+    f.seek(info.offset + data[0].header_offset)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{file}: {what} has a broken record header; the file is corrupt")
+    name_length, extra_length = struct.unpack("<2H", header[26:30])
+    f.seek(info.offset + data[0].header_offset + 30 + name_length + extra_length)
+    buffer = getattr(_ROW_BUFFERS, "buffer", None)
+    if buffer is None or len(buffer) < n * r:
+        buffer = _ROW_BUFFERS.buffer = bytearray(n * r)
+    if f.readinto(memoryview(buffer)[: n * r]) != n * r:
+        raise CheckpointError(f"{file}: {what} is truncated")
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=n * r).view(n, r)
 
 
 def _lstat_mode(file: Path) -> int:

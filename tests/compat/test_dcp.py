@@ -10,9 +10,13 @@ flat in the table size.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -376,3 +380,54 @@ CASES = [(i, world, name) for i, (world, names) in enumerate(RUNS) for name in n
 def test_across_ranks(runs, index, world, scenario):
     failures = runs[index][1][scenario]
     assert not failures, "\n".join(failures)
+
+
+MEMORY_PROBE = textwrap.dedent(
+    """
+    import ctypes, gc, json, sys, torch
+    import leanstate.dcp as kvdcp
+    from leanstate import KVStore
+
+    path, rows, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    store = KVStore(dim, optimizer_state_dim=1)  # a live store that holds the ids (a resume)
+    for start in range(0, rows, 50_000):
+        n = min(50_000, rows - start)
+        store.set(torch.arange(start, start + n), torch.zeros(n, dim))
+    kvdcp.load({"t": store}, checkpoint_id=path)  # once: imports and first-use allocations
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS
+    kvdcp.load({"t": store}, checkpoint_id=path)
+    print(json.dumps({"extra": status("VmHWM") - base, "table": rows * store.layout.row_bytes}))
+    """
+)
+
+
+def test_load_memory_is_flat_in_the_table_size(tmp_path):
+    dim, chunk = 64, 2**20
+    growth = {}
+    for rows in (100_000, 200_000):
+        source = KVStore(dim, optimizer_state_dim=1)
+        for start in range(0, rows, 50_000):
+            source.set(torch.arange(start, start + 50_000), torch.randn(50_000, dim))
+        kvdcp.save({"t": source}, checkpoint_id=tmp_path / str(rows), chunk_bytes=chunk)
+        del source
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / str(rows)), str(rows), str(dim)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        growth[rows] = json.loads(out.stdout.strip().splitlines()[-1])
+    small, large = growth[100_000], growth[200_000]
+    assert large["extra"] < 12 * chunk, growth  # a few chunks, not the 55 MiB table
+    assert large["extra"] < small["extra"] + 4 * chunk, growth  # flat from N to 2N
