@@ -21,6 +21,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -31,6 +32,7 @@ import shutil
 import stat
 import struct
 import threading
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -1076,13 +1078,14 @@ def save(
     if problem is not None:
         raise CheckpointError(f"{method}: rank 0: {problem}")
     try:
-        dcp.save(
-            state_dict,
-            storage_writer=_Writer(staging),
-            planner=KVSavePlanner(chunk_bytes=chunk_bytes),
-            process_group=process_group,
-            no_dist=not _distributed(),
-        )
+        with _quiet():
+            dcp.save(
+                state_dict,
+                storage_writer=_Writer(staging),
+                planner=KVSavePlanner(chunk_bytes=chunk_bytes),
+                process_group=process_group,
+                no_dist=not _distributed(),
+            )
     except CheckpointException as exc:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -1146,21 +1149,9 @@ def load(
             kv_only = {}
             for fqn, entry in entries.items():
                 kv_only[fqn] = entry.view if entry.view is not None else _as_value(entry)
-            dcp.load(
-                kv_only,
-                storage_reader=SafeFileSystemReader(checkpoint_id),
-                planner=check,
-                process_group=process_group,
-                no_dist=not _distributed(),
-            )
+            _load_with(kv_only, check, checkpoint_id, process_group)
         planner = KVLoadPlanner(process_group=process_group)
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(checkpoint_id),
-            planner=planner,
-            process_group=process_group,
-            no_dist=not _distributed(),
-        )
+        _load_with(state_dict, planner, checkpoint_id, process_group)
     except CheckpointException as exc:
         if empty:
             for store in stores:
@@ -1172,6 +1163,25 @@ def load(
                 store.delete(store.keys())
         raise
     return planner.stats
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence DCP's warning that one process without a process group means one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _load_with(state_dict, planner: KVLoadPlanner, checkpoint_id, process_group) -> None:
+    with _quiet():
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(checkpoint_id),
+            planner=planner,
+            process_group=process_group,
+            no_dist=not _distributed(),
+        )
 
 
 def _as_value(entry: _Entry):

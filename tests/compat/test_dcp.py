@@ -388,7 +388,7 @@ MEMORY_PROBE = textwrap.dedent(
     import leanstate.dcp as kvdcp
     from leanstate import KVStore
 
-    path, rows, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    path, rows, dim, phase = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -399,19 +399,23 @@ MEMORY_PROBE = textwrap.dedent(
     for start in range(0, rows, 50_000):
         n = min(50_000, rows - start)
         store.set(torch.arange(start, start + n), torch.zeros(n, dim))
-    kvdcp.load({"t": store}, checkpoint_id=path)  # once: imports and first-use allocations
+    run = {
+        "load": lambda: kvdcp.load({"t": store}, checkpoint_id=path),
+        "save": lambda: kvdcp.save({"t": store}, checkpoint_id=path + "-again", chunk_bytes=2**20),
+    }[phase]
+    run()  # once: imports and first-use allocations
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current RSS
-    kvdcp.load({"t": store}, checkpoint_id=path)
+    run()
     print(json.dumps({"extra": status("VmHWM") - base, "table": rows * store.layout.row_bytes}))
     """
 )
 
 
-def test_load_memory_is_flat_in_the_table_size(tmp_path):
+def test_load_and_save_memory_are_flat_in_the_table_size(tmp_path):
     dim, chunk = 64, 2**20
     growth = {}
     for rows in (100_000, 200_000):
@@ -420,14 +424,17 @@ def test_load_memory_is_flat_in_the_table_size(tmp_path):
             source.set(torch.arange(start, start + 50_000), torch.randn(50_000, dim))
         kvdcp.save({"t": source}, checkpoint_id=tmp_path / str(rows), chunk_bytes=chunk)
         del source
-        out = subprocess.run(
-            [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / str(rows)), str(rows), str(dim)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        growth[rows] = json.loads(out.stdout.strip().splitlines()[-1])
-    small, large = growth[100_000], growth[200_000]
-    assert large["extra"] < 12 * chunk, growth  # a few chunks, not the 55 MiB table
-    assert large["extra"] < small["extra"] + 4 * chunk, growth  # flat from N to 2N
+        for phase in ("load", "save"):
+            out = subprocess.run(
+                [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / str(rows)), str(rows), str(dim), phase],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            growth[phase, rows] = json.loads(out.stdout.strip().splitlines()[-1])["extra"]
+    for phase in ("load", "save"):
+        small, large = growth[phase, 100_000], growth[phase, 200_000]
+        assert large < 12 * chunk, growth  # a few chunks, not the 55 MiB table
+        # flat from N to 2N (a save also holds the keys it lists: 8 bytes a row)
+        assert large < small + 4 * chunk, growth
