@@ -69,7 +69,7 @@ from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharded_checkpoint import BucketedTable
 from leanstate.reference.sharding import bucket_of, owner_of_bucket
 
-__all__ = ["KVLoadPlanner", "KVSavePlanner", "SafeFileSystemReader", "load", "save"]
+__all__ = ["KVLoadPlanner", "KVSavePlanner", "SafeFileSystemReader", "convert", "load", "save"]
 
 FORMAT_NAME = "leanstate-dcp-kv"
 FORMAT_VERSION = 1
@@ -220,9 +220,6 @@ class _NativeTable:
         self.path, self.name, self.table = path, name, table
         self.layout = RowLayout(table["dim"], table["optimizer_state_dim"], native.DTYPES[table["dtype"]])
 
-    def rows_for_save(self, chunk_bytes: int) -> _NativeRows:
-        return _NativeRows(self)
-
 
 class _NativeRows:
     def __init__(self, source: _NativeTable) -> None:
@@ -256,10 +253,10 @@ class _Refusal:
         self.fqn = fqn
 
     def __reduce__(self):
-        return (refuse_stock_planner, (self.fqn,))
+        return (_refuse_stock_planner, (self.fqn,))
 
 
-def refuse_stock_planner(fqn: str) -> None:
+def _refuse_stock_planner(fqn: str) -> None:
     """Raise the error for a leanstate KV table loaded by DCP's stock ``DefaultLoadPlanner``."""
     raise CheckpointError(
         f"{fqn!r} is a leanstate KV table: the stock DefaultLoadPlanner would leave it unloaded. Load "
