@@ -123,17 +123,36 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """Quick benchmarks: each figure beside its peer, with the ratio and the target."""
-    import pandas as pd
+    import csv
+    import json
 
-    from leanstate._bench import report
+    from leanstate._bench import COLUMNS, format_table, plot, report
 
+    sizes = {"rows": args.rows, "dim": args.dim, "batch": args.batch}
     with warnings.catch_warnings():  # torch's sparse-invariant notice, from the peer's Adagrad
         warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-        table = report(rows=args.rows, dim=args.dim, batch=args.batch, backend=args.backend)
-    with pd.option_context(
-        "display.width", 200, "display.max_columns", None, "display.float_format", "{:.4g}".format
-    ):
-        print(table.to_string(index=False))
+        rows = report(**sizes, backend=args.backend, quick=args.quick)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sizes": sizes, "rows": rows}, indent=1))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.plot:
+        try:
+            plot(rows, Path(args.plot))
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'leanstate[bench]'", file=sys.stderr)
+            return 2
+    missed = [r for r in rows if r["met"] == "no"]
+    if args.check and missed:
+        for r in missed:
+            print(
+                f"missed: {r['component']} {r['measure']} [{r['backend']}]: {r['ratio']:.3g} vs {r['target']}"
+            )
+        return 1
     return 0
 
 
@@ -174,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--dim", type=int, default=128, help="embedding dim")
     bench.add_argument("--batch", type=int, default=16_384, help="ids per store get/set batch")
     bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
+    bench.add_argument("--quick", action="store_true", help="fewer repeats, steps and ranks; the same sizes")
+    bench.add_argument("--check", action="store_true", help="exit 1 if any target is missed")
+    bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    bench.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    bench.add_argument("--plot", metavar="PNG", help="also draw each ratio beside its target (matplotlib)")
     bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")

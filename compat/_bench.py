@@ -6,6 +6,7 @@ figure that matters is the ratio. Times are the best of several repeats.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import itertools
@@ -196,6 +197,24 @@ def load_peak_extra_bytes(rows: int, dim: int, backend: str, chunk_bytes: int) -
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _quiet_fds():
+    """Send what native code prints to fds 1 and 2 (the profiler's ``USDT:`` lines) to /dev/null."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
 class WrapperStep:
     """A training step of a transformer stack, plain or wrapped by leanstate's or torch's wrappers."""
 
@@ -233,7 +252,7 @@ class WrapperStep:
         from torch.profiler import ProfilerActivity, profile
 
         torch.manual_seed(1)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _quiet_fds(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = self.model(self.x)
         del out
         return sum(event.self_cpu_memory_usage for event in prof.events())
@@ -444,7 +463,9 @@ def _line(component, measure, backend, ours, peer_name, peer, target, *, time=Tr
     return (component, measure, backend, ours, peer_name, peer, ratio, shown, _met(ratio, target))
 
 
-def store_figures(rows: int, dim: int, batch: int, backends: list[str] | None = None) -> list[tuple]:
+def store_figures(
+    rows: int, dim: int, batch: int, backends: list[str] | None = None, repeat: int = 5
+) -> list[tuple]:
     """The store's rows of the bench table (get, set, insert, memory) for every available
     store backend of the registry (or ``backends``), each beside the dense peer."""
     lines = []
@@ -455,7 +476,7 @@ def store_figures(rows: int, dim: int, batch: int, backends: list[str] | None = 
             ("set", "dense index_copy_", kv.set, kv.dense_set),
             ("insert", "dense index_copy_", kv.insert, kv.dense_set),
         ):
-            times = best_times({"ours": ours, "peer": peer}, 5)
+            times = best_times({"ours": ours, "peer": peer}, repeat)
             target = _target("kv_store", op, name)
             lines.append(
                 _line(
@@ -477,8 +498,9 @@ def report(
     batch: int = 16_384,
     backend: str | None = None,
     wrapper_batch: int = 2,
-):
-    """Run the quick versions; a DataFrame of leanstate beside its peer, with targets.
+    quick: bool = False,
+) -> list[dict]:
+    """Run the quick versions (``quick``: fewer steps and ranks); rows (dicts of ``COLUMNS``) of leanstate beside its peer, with targets.
 
     ``ratio`` is a throughput ratio for times (peer time / leanstate time: 1.0 = as fast
     as the peer, higher is better) and the plain ratio leanstate / peer for sizes. The
@@ -486,15 +508,16 @@ def report(
     import-time choice). Targets apply to the accelerated backends; the reference is
     reported beside them.
     """
-    import pandas as pd
-
     backend = backend or leanstate.backend_info().chosen["kv_store"]
     lines = []
+
+    def repeats(n: int) -> int:
+        return min(n, 2) if quick else n
 
     def add(component, measure, ours, peer_name, peer, target, *, time=True, name=backend):
         lines.append(_line(component, measure, name, ours, peer_name, peer, target, time=time))
 
-    lines.extend(store_figures(rows, dim, batch))
+    lines.extend(store_figures(rows, dim, batch, repeat=repeats(5)))
     for name in _backends.available("kv_store"):
         io = CheckpointIO(rows, dim, name)
         try:
@@ -507,7 +530,8 @@ def report(
                     "read": io.read_plain,
                     "dcp save": io.dcp_save,
                     "dcp load": io.dcp_load,
-                }
+                },
+                repeats(3),
             )
         finally:
             io.close()
@@ -549,7 +573,7 @@ def report(
     steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
     for w in steps.values():
         w.step()  # warm-up
-    times = best_times({v: w.step for v, w in steps.items()}, 3)
+    times = best_times({v: w.step for v, w in steps.items()}, repeats(3))
     saved = {v: w.saved_bytes() for v, w in steps.items()}
     add(
         "wrappers",
@@ -606,7 +630,7 @@ def report(
         dense = EmbeddingStep("dense", peer, rows, dim)
         ours.step()
         dense.step()
-        times = best_times({"ours": ours.step, "peer": dense.step}, 3)
+        times = best_times({"ours": ours.step, "peer": dense.step}, repeats(3))
         add(
             "embedding",
             f"{optimizer} step s (B=4096x20)",
@@ -617,7 +641,7 @@ def report(
             name=name,
         )
         del ours, dense
-    zero = zero_comparison()
+    zero = zero_comparison(steps=4 if quick else 10)
     add(
         "zero",
         "step s (2 ranks, buckets)",
@@ -657,15 +681,17 @@ def report(
         time=False,
         name="reference",
     )
-    single = sharded_comparison(1)
-    for world in (1, 2, 3):
-        run = single if world == 1 else sharded_comparison(world)
+    ids = 4096 if quick else 16_384
+    exchange = {"steps": 2, "ids": ids} if quick else {}
+    single = sharded_comparison(1, **exchange)
+    for world in (1, 2) if quick else (1, 2, 3):
+        run = single if world == 1 else sharded_comparison(world, **exchange)
         add(
             "sharded",
-            f"lookups+updates/s, {world} rank(s) x 16384",
-            world * 16_384 / run["step"],
+            f"lookups+updates/s, {world} rank(s) x {ids}",
+            world * ids / run["step"],
             "1 rank",
-            16_384 / single["step"],
+            ids / single["step"],
             None,
             time=False,
             name=leanstate.backend_info().chosen["embedding"],
@@ -681,5 +707,50 @@ def report(
                 time=False,
                 name=leanstate.backend_info().chosen["embedding"],
             )
-    columns = ["component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "target", "met"]
-    return pd.DataFrame(lines, columns=columns)
+    return [dict(zip(COLUMNS, line, strict=True)) for line in lines]
+
+
+COLUMNS = ("component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "target", "met")
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a plain-text table, numbers to four significant digits."""
+
+    def cell(value) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    cells = [list(COLUMNS)] + [[cell(row[c]) for c in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    numeric = {"leanstate", "peer value", "ratio"}
+    out = []
+    for line in cells:
+        out.append(
+            " ".join(
+                value.rjust(width) if COLUMNS[i] in numeric else value.ljust(width)
+                for i, (value, width) in enumerate(zip(line, widths, strict=True))
+            ).rstrip()
+        )
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A PNG of each figure's ratio beside its target (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['component']}: {r['measure']} [{r['backend']}]" for r in rows]
+    figure, axes = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    colours = {"yes": "tab:green", "no": "tab:red", "-": "tab:gray"}
+    axes.barh(range(len(rows)), [r["ratio"] for r in rows], color=[colours[r["met"]] for r in rows])
+    for i, r in enumerate(rows):
+        if r["target"] != "-":
+            axes.plot([float(r["target"].split()[1])] * 2, [i - 0.4, i + 0.4], color="black")
+    axes.set_yticks(range(len(rows)), labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xscale("log")
+    axes.set_xlabel("ratio against the peer (black: target; green met, red missed, grey no target)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
