@@ -4,61 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-
 import leanstate
-from leanstate.reference.row_format import header_words, unpack_metadata
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Fill a store, read it back, evict, and report rows and memory."""
-    rows, dim = args.rows, args.dim
-    store = leanstate.KVStore(dim, optimizer_state_dim=1, num_shards=8, seed=0)
-    print(store)
-    print(
-        f"backend: {store.backend}; row width {store.layout.width} elements = {store.layout.row_bytes} bytes"
-    )
-    ids = torch.arange(rows, dtype=torch.int64) * 7919  # spread-out ids
-    step = max(1, rows // 10)
-    for start in range(0, rows, step):
-        chunk = ids[start : start + step]
-        values = torch.full((len(chunk), dim), 0.5) + chunk.unsqueeze(1).float() * 1e-6
-        store.set(chunk, values)
-        print(f"  filled {min(start + step, rows):>8}/{rows} rows", flush=True)
-    sample = ids[:3]
-    print("first weights of ids", sample.tolist())
-    print(store.get(sample, width=4))
-    header = header_words(store.get_rows(sample))
-    stamp, count, used = unpack_metadata(header[:, 1])
-    for key, t, c, u in zip(header[:, 0].tolist(), stamp.tolist(), count.tolist(), used.tolist()):
-        print(f"  header of {key}: timestamp={t} count={c} used={u}")
-    missing = torch.tensor([1, -1])
-    print("a missing id reads its initial row, a negative id zeros:")
-    print(store.get(missing, width=4), "inserted:", store.contains(missing).tolist())
-    print(
-        f"rows: {len(store)}, memory: {store.memory_bytes() / 2**20:.1f} MiB "
-        f"({store.memory_bytes() / len(store):.0f} bytes/row for {store.layout.row_bytes}-byte rows)"
-    )
-    store.set(ids[: rows // 4], store.get(ids[: rows // 4], width=dim))  # touch a quarter again
-    evicted = store.evict(max_rows=rows // 2)
-    print(f"evict(max_rows={rows // 2}) removed {len(evicted)} rows, least-used first; {len(store)} remain")
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "ckpt"
-        leanstate.save_checkpoint(path, {"table": store}, chunk_bytes=4 * 2**20)
-        fresh = leanstate.KVStore(dim, optimizer_state_dim=1, num_shards=3)
-        leanstate.load_checkpoint(path, {"table": fresh}, chunk_bytes=4 * 2**20)
-        keys = store.keys()
-        same = torch.equal(fresh.get_rows(keys).view(torch.uint8), store.get_rows(keys).view(torch.uint8))
-        size = (path / "table.rows").stat().st_size
-        print(
-            f"whole-row checkpoint: {size / 2**20:.1f} MiB saved and streamed back in 4 MiB chunks "
-            f"into a 3-shard store; rows and headers identical: {same}"
-        )
-    return 0
+    from leanstate._demo import main as demo
+
+    return demo(args)
 
 
 def _inspect_sharded(path: str, manifest: dict) -> int:
@@ -183,9 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m leanstate`` and the ``leanstate`` script."""
     parser = argparse.ArgumentParser(prog="leanstate", description=leanstate.__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run a short store scenario on built-in data")
-    demo.add_argument("--rows", type=int, default=100_000, help="rows to insert")
-    demo.add_argument("--dim", type=int, default=128, help="embedding dim")
+    demo = commands.add_parser(
+        "demo", help="train a click model across gloo ranks, checkpoint, resume and reshard it, prove it"
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="gloo ranks (the elastic proofs use 1 and 2)")
+    demo.add_argument("--steps", type=int, default=60, help="training steps")
+    demo.add_argument("--every", type=int, default=10, help="a whole-row checkpoint every this many steps")
+    demo.add_argument("--batch", type=int, default=1024, help="samples per global batch")
+    demo.add_argument("--ids", type=int, default=200_000, help="distinct raw ids per feature (Zipf-drawn)")
+    demo.add_argument("--dim", type=int, default=16, help="embedding dim")
+    demo.add_argument(
+        "--backend", default=None, help="store and embedding backend (default: the import-time choice)"
+    )
+    demo.add_argument("--out", default="demo-out", help="folder for the checkpoints and demo.png")
+    demo.add_argument(
+        "--memory-rows", type=int, default=1_000_000, help="rows of the table the load-memory proof loads"
+    )
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")

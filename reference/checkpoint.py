@@ -806,7 +806,10 @@ def _apply(
             if buffer is None:
                 continue
             if not reserved:  # the file's size matched the manifest: grow the store once
-                target.store.reserve(sum(chunk["rows"] for _, chunk in chunks))
+                # Rows the store already holds (a resume) need no room: reserving them too
+                # would grow a full store by the table's size.
+                incoming = sum(chunk["rows"] for _, chunk in chunks)
+                target.store.reserve(max(0, incoming - len(target.store)))
                 reserved = True
             rows = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
             if id_range is not None:

@@ -44,3 +44,16 @@ def test_any_backend_loads_what_any_backend_saved(tmp_path, dtype, source, targe
         keys = src.keys()
         assert torch.equal(dst.keys(), keys)
         assert torch.equal(dst.get_rows(keys).view(torch.uint8), src.get_rows(keys).view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", [b for b in STORES if b != "reference"])
+def test_a_resume_load_into_an_accelerated_store_holds_about_a_chunk(backend):
+    """Loading into a live store that holds the rows (a resume) must not grow it by the
+    table (a reserve of rows it already holds did: +26.8 MiB for a 16.8 MiB table)."""
+    from leanstate._bench import load_peak_extra_bytes
+
+    rows, dim, chunk = 400_000, 8, 2**20
+    memory = load_peak_extra_bytes(rows, dim, backend, chunk)
+    table = rows * (8 + (dim + 1) * 4)
+    assert memory["legacy"] > 0.9 * table, memory  # the probe sees what the legacy load holds
+    assert memory["whole"] < memory["legacy"] / 2, memory

@@ -12,12 +12,20 @@ def run(*args: str, stderr: list | None = None, timeout: int = 300) -> str:
     return done.stdout
 
 
-def test_demo_runs_the_store_scenario():
-    out = run("demo", "--rows", "2000", "--dim", "16")
-    assert "filled     2000/2000 rows" in out
-    assert "header of 0: timestamp=" in out and "count=1 used=True" in out
-    assert "evict(max_rows=1000) removed 1000 rows" in out and "1000 remain" in out
-    assert "rows and headers identical: True" in out
+def test_demo_trains_checkpoints_and_proves_its_claims(tmp_path):
+    out = run(
+        "demo", "--steps", "12", "--every", "4", "--batch", "128", "--ids", "2000", "--dim", "8",
+        "--memory-rows", "400000", "--out", str(tmp_path / "demo"), timeout=1200,
+    )  # fmt: skip
+    assert "PASS  resume from step 8 at 2 rank(s) is bit-exact" in out, out
+    assert "PASS  load at step 4, 2->1 ranks, trains on to the same losses" in out, out
+    assert "1->2 ranks, trains on to the same losses" in out and "FAIL" not in out, out
+    assert "PASS  whole-row load needs a fraction of the legacy load's memory" in out, out
+    for name in ("uninterrupted", "resumed", "2->1 ranks", "1->2 ranks"):
+        assert any(line.startswith(name) for line in out.splitlines()), name
+    png = tmp_path / "demo" / "demo.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "demo" / "uninterrupted" / "step8" / "manifest.json").is_file()
 
 
 def test_version_and_help_texts():
