@@ -8,7 +8,7 @@ import torch
 
 import leanstate
 from leanstate import _backends, _bench
-from tests.compat.test_kv_store_differential import machine_for
+from tests.compat.test_kv_store_differential import check_backend
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_the_toy_backend_appears_in_backend_info(toy):
 
 
 def test_the_toy_backend_runs_the_differential_machine(toy):
-    machine_for("toy", examples=5)().runTest()
+    check_backend("toy", examples=5)
 
 
 def test_the_toy_backend_has_its_rows_in_the_bench_with_its_declared_target(toy):

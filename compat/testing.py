@@ -1,0 +1,376 @@
+"""The conformance kit: hold your own KV store, ZeRO-like optimizer or activation wrapper to leanstate's reference.
+
+Subclass a base class in a test module and give it one fixture; pytest collects the
+checks, and a failing one names what your implementation does differently::
+
+    import pytest
+    from leanstate.testing import KVStoreConformance
+
+    class TestMyStore(KVStoreConformance):
+        @pytest.fixture
+        def make_store(self):
+            return lambda dim, **options: MyStore(dim, **options)
+
+``make_store(dim, optimizer_state_dim=, dtype=, seed=, clock=)`` must build an empty
+store with ``leanstate.KVStore``'s public methods (a wrapper over a C++ store, or
+``KVStore(..., backend="mine")`` for an engine registered with ``leanstate._backends``).
+The checks: a hypothesis state machine running random operations on your store and on the
+reference and comparing every result bit for bit, then direct checks of initial rows,
+duplicate ids, header stamps, eviction boundaries, checkpoint bytes and the drop-in
+details. ``WrapperConformance`` (fixture ``wrap``) and ``ZeroConformance`` (fixture
+``make_optimizer``) do the same for activation wrappers and ZeRO-like optimizers. See
+``spec/testing.md`` for a worked example.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch import nn
+
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.kv_store import KVStore
+from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
+
+__all__ = [
+    "KVStoreConformance",
+    "StoreMachine",
+    "WrapperConformance",
+    "ZeroConformance",
+    "run_store_machine",
+    "same_bits",
+]
+
+DIM, STATE = 5, 2
+_POOL = st.integers(-2, 40)  # a small id pool: hits, misses and duplicates are common
+_IDS = st.lists(_POOL, min_size=0, max_size=16)
+_FLOATS = st.integers(-8, 8).map(lambda x: x / 4)  # exact in every dtype
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality of two tensors (headers read as floats may be NaN)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+class _Clock:
+    """A settable clock in whole seconds: both stores see the same time."""
+
+    def __init__(self, now: int = 1_700_000_000) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _reference(dim: int, **options) -> KVStore:
+    return KVStore(dim, backend="reference", **options)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random operations on the store under test (``make_store``) and on the reference; every
+    result compared bit for bit (values, whole rows with headers, metadata, keys, evicted ids)."""
+
+    make_store = staticmethod(_reference)
+
+    @initialize(
+        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**64 - 1)
+    )
+    def start(self, dtype, seed):
+        self.clock = _Clock(10)
+        self.layout = RowLayout(DIM, STATE, dtype)
+        options = dict(optimizer_state_dim=STATE, dtype=dtype, seed=seed, clock=self.clock)
+        self.ref = _reference(DIM, **options)
+        self.mine = self.make_store(DIM, **options)
+
+    def both(self, method, *args, **kwargs):
+        return getattr(self.ref, method)(*args, **kwargs), getattr(self.mine, method)(*args, **kwargs)
+
+    @rule(ids=_IDS, offset=st.integers(0, 8), data=st.data())
+    def set(self, ids, offset, data):
+        width = data.draw(st.integers(0, self.layout.value_width - offset))
+        flat = data.draw(st.lists(_FLOATS, min_size=width * len(ids), max_size=width * len(ids)))
+        values = torch.tensor(flat, dtype=self.layout.dtype).reshape(len(ids), width)
+        self.both("set", torch.tensor(ids, dtype=torch.int64), values, width_offset=offset)
+
+    @rule(ids=_IDS, offset=st.integers(0, 8), data=st.data())
+    def get(self, ids, offset, data):
+        width = data.draw(st.none() | st.integers(0, self.layout.value_width - offset))
+        a, b = self.both("get", torch.tensor(ids, dtype=torch.int64), width_offset=offset, width=width)
+        assert same_bits(a, b), f"get(ids={ids}, width_offset={offset}, width={width}) differs"
+
+    @rule(ids=_IDS)
+    def reads(self, ids):
+        ids = torch.tensor(ids, dtype=torch.int64)
+        for method in ("get_rows", "metadata", "contains"):
+            a, b = self.both(method, ids)
+            assert same_bits(a, b), f"{method}({ids.tolist()}) differs"
+
+    @rule(
+        ids=st.lists(st.integers(0, 40), max_size=8),
+        stamps=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=8),
+        counts=st.lists(st.integers(0, COUNT_MAX), min_size=8, max_size=8),
+        fill=_FLOATS,
+        used=st.booleans(),
+    )
+    def set_rows(self, ids, stamps, counts, fill, used):
+        rows = torch.full((len(ids), self.layout.width), fill, dtype=self.layout.dtype)
+        header_words(rows)[:, 0] = torch.tensor(ids, dtype=torch.int64)
+        header_words(rows)[:, 1] = pack_metadata(
+            torch.tensor(stamps[: len(ids)]), torch.tensor(counts[: len(ids)]), torch.full((len(ids),), used)
+        )
+        before = rows.clone()
+        self.both("set_rows", rows)
+        assert same_bits(rows, before), "set_rows wrote into the caller's rows"
+
+    @rule(ids=_IDS)
+    def delete(self, ids):
+        a, b = self.both("delete", torch.tensor(ids, dtype=torch.int64))
+        assert a == b, f"delete({ids}) returned {b}, the reference {a}"
+
+    @rule(seconds=st.integers(0, 50))
+    def tick(self, seconds):
+        self.clock.now += seconds
+
+    @precondition(lambda self: len(self.ref) > 0)
+    @rule(
+        min_count=st.none() | st.integers(0, 3),
+        max_age_s=st.none() | st.integers(0, 60),
+        min_l2_norm=st.none() | st.sampled_from([0.0, 0.01, 1.0]),
+        max_rows=st.none() | st.integers(0, 20),
+    )
+    def evict(self, min_count, max_age_s, min_l2_norm, max_rows):
+        policy = dict(min_count=min_count, max_age_s=max_age_s, min_l2_norm=min_l2_norm, max_rows=max_rows)
+        a, b = self.both("evict", **policy)
+        assert torch.equal(a, b), f"evict({policy}) evicted {b.tolist()}, the reference {a.tolist()}"
+
+    @rule(lo=st.integers(-5, 45), span=st.integers(0, 50))
+    def keys_in_range(self, lo, span):
+        a, b = self.both("keys_in_range", lo, lo + span)
+        assert torch.equal(a, b), f"keys_in_range({lo}, {lo + span}) differs"
+
+    @invariant()
+    def same_rows(self):
+        if hasattr(self, "ref"):
+            keys = self.ref.keys()
+            assert torch.equal(keys, self.mine.keys()), "keys() differ (ids, or not ascending)"
+            assert len(self.ref) == len(self.mine), (
+                f"len() is {len(self.mine)}, the reference {len(self.ref)}"
+            )
+            assert same_bits(self.ref.get_rows(keys), self.mine.get_rows(keys)), "whole rows differ"
+
+
+def run_store_machine(make_store, examples: int = 60, steps: int = 30) -> None:
+    """Run :class:`StoreMachine` on ``make_store``; raises on the first difference (shrunk)."""
+    machine = type("StoreMachineFor", (StoreMachine,), {"make_store": staticmethod(make_store)})
+    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None)
+    machine.TestCase().runTest()
+
+
+class KVStoreConformance:
+    """Checks for a KV store; a subclass provides the fixture ``make_store`` (see the module)."""
+
+    examples = 60  # hypothesis examples of the state machine
+
+    def _pair(self, make_store, **options):
+        options = {
+            "optimizer_state_dim": STATE,
+            "dtype": torch.float32,
+            "seed": 7,
+            "clock": _Clock(),
+            **options,
+        }
+        return _reference(DIM, **options), make_store(DIM, **options), options["clock"]
+
+    def test_random_operations_match_the_reference(self, make_store):
+        run_store_machine(make_store, self.examples)
+
+    def test_missing_ids_read_their_initial_rows(self, make_store):
+        for seed in (0, 7, 2**63 + 5):
+            ref, mine, _ = self._pair(make_store, seed=seed)
+            ids = torch.tensor([0, 1, 17, 2**40 + 3, 2**63 - 1])
+            assert same_bits(mine.get(ids), ref.get(ids)), (
+                f"initial rows (seed {seed}) differ from the reference"
+            )
+            assert not bool(mine.contains(ids).any()), "reading a missing id inserted it"
+
+    def test_negative_ids_are_padding(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        ids = torch.tensor([-1, 3, -7])
+        mine.set(torch.tensor([3]), torch.ones(1, DIM))
+        ref.set(torch.tensor([3]), torch.ones(1, DIM))
+        assert same_bits(mine.get(ids), ref.get(ids)), "negative ids must read zeros"
+        assert mine.contains(ids).tolist() == [False, True, False]
+
+    def test_duplicate_ids_in_one_set_keep_the_last_value(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        ids = torch.tensor([4, 9, 4, 4])
+        values = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM)
+        for store in (ref, mine):
+            store.set(ids, values)
+        assert same_bits(mine.get_rows(torch.tensor([4, 9])), ref.get_rows(torch.tensor([4, 9]))), (
+            "duplicate ids: the last value wins, and the count rises once per occurrence"
+        )
+
+    def test_headers_stamp_the_key_time_count_and_use(self, make_store):
+        ref, mine, clock = self._pair(make_store)
+        for step, now in enumerate((100, 250, 251)):
+            clock.now = now
+            for store in (ref, mine):
+                store.set(
+                    torch.tensor([5, 6][: 2 - (step == 2)]), torch.full((2 - (step == 2), DIM), float(step))
+                )
+        words = header_words(mine.get_rows(torch.tensor([5, 6])))
+        want = header_words(ref.get_rows(torch.tensor([5, 6])))
+        assert words[:, 0].tolist() == [5, 6], f"header keys are {words[:, 0].tolist()}, not the ids"
+        stamp, count, used = unpack_metadata(words[:, 1])
+        s, c, u = unpack_metadata(want[:, 1])
+        assert stamp.tolist() == s.tolist(), f"timestamps {stamp.tolist()}, the reference {s.tolist()}"
+        assert count.tolist() == c.tolist(), f"counts {count.tolist()}, the reference {c.tolist()}"
+        assert used.tolist() == u.tolist(), "the used flag differs"
+
+    def test_eviction_keeps_exactly_max_rows_least_used_first(self, make_store):
+        ref, mine, clock = self._pair(make_store)
+        for store in (ref, mine):
+            for round_ in range(3):
+                clock.now = 1000 + round_
+                ids = torch.arange(0, 10 - 3 * round_)
+                store.set(ids, torch.full((len(ids), DIM), 1.0))
+        for policy in ({"max_rows": 6}, {"min_count": 2}, {"max_age_s": 0}, {"max_rows": 0}):
+            a, b = ref.evict(**policy), mine.evict(**policy)
+            assert a.tolist() == b.tolist(), (
+                f"evict({policy}) evicted {b.tolist()}, the reference {a.tolist()}"
+            )
+            assert len(mine) == len(ref), f"after evict({policy}): {len(mine)} rows, the reference {len(ref)}"
+
+    def test_deleted_ids_are_gone_and_their_room_is_reused(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        for store in (ref, mine):
+            store.set(torch.arange(20), torch.ones(20, DIM))
+            assert store.delete(torch.tensor([3, 3, 50, 7])) == 2
+            store.set(torch.tensor([100, 101]), torch.full((2, DIM), 2.0))
+        assert mine.contains(torch.tensor([3, 7, 100])).tolist() == [False, False, True]
+        assert torch.equal(mine.keys(), ref.keys()), "keys after delete differ (or do not ascend)"
+        assert same_bits(mine.get_rows(ref.keys()), ref.get_rows(ref.keys()))
+
+    def test_checkpoint_bytes_match_the_reference_and_load_back(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        ids = torch.tensor([2**62, 5, 17, 4])
+        for store in (ref, mine):
+            store.set(ids, torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM))
+            store.set(ids[:2], torch.ones(2, STATE), width_offset=DIM + 3)
+        with tempfile.TemporaryDirectory() as folder:
+            for name, store in (("ref", ref), ("mine", mine)):
+                save_checkpoint(Path(folder, name), {"t": store})
+            theirs, ours = (Path(folder, n, "t.rows").read_bytes() for n in ("ref", "mine"))
+            assert ours == theirs, "the whole-row checkpoint bytes differ from the reference's"
+            fresh = make_store(DIM, optimizer_state_dim=STATE, dtype=torch.float32, seed=1, clock=_Clock())
+            load_checkpoint(Path(folder, "ref"), {"t": fresh})
+            assert same_bits(fresh.get_rows(ref.keys()), ref.get_rows(ref.keys())), (
+                "a loaded checkpoint's rows differ: set_rows must write each row by its header's key"
+            )
+
+    def test_drop_in_details(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        assert mine.layout == ref.layout, f"layout {mine.layout}, expected {ref.layout}"
+        assert len(mine) == 0 and mine.keys().tolist() == []
+        with pytest.raises(TypeError):
+            mine.set(torch.tensor([1]), torch.ones(1, DIM, dtype=torch.float64))
+        with pytest.raises(ValueError):
+            mine.set(torch.tensor([1, 2]), torch.ones(1, DIM))
+        assert len(mine) == 0, "a rejected set changed the store"
+        mine.set(torch.tensor([9, 1, 5]), torch.ones(3, DIM))
+        assert mine.keys().tolist() == [1, 5, 9], "keys() must ascend"
+        assert mine.keys_in_range(2, 9).tolist() == [5], "keys_in_range is half-open [lo, hi)"
+
+
+class WrapperConformance:
+    """Checks for an activation wrapper; a subclass provides the fixture ``wrap`` (module -> wrapped)."""
+
+    def _model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 4))
+
+    def test_outputs_and_gradients_match_the_module(self, wrap):
+        plain = self._model()
+        wrapped = wrap(self._model())
+        x = torch.randn(6, 8, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        torch.manual_seed(3)
+        want = plain(x)
+        torch.manual_seed(3)
+        got = wrapped(x2)
+        assert torch.equal(got, want), "the wrapped forward differs (dropout must replay the same RNG)"
+        want.square().sum().backward()
+        got.square().sum().backward()
+        assert torch.equal(x2.grad, x.grad), "input gradients differ"
+        for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"gradient of {name} differs"
+
+    def test_state_dict_keys_are_the_modules(self, wrap):
+        plain = self._model()
+        wrapped = wrap(self._model())
+        assert list(wrapped.state_dict()) == list(plain.state_dict()), (
+            "the wrapper leaks into state_dict keys"
+        )
+        wrapped.load_state_dict(plain.state_dict())
+
+
+class ZeroConformance:
+    """Checks for a ZeRO-like optimizer at world size 1; a subclass provides the fixture
+    ``make_optimizer(params, optimizer_class, **defaults)``."""
+
+    @pytest.fixture(autouse=True)
+    def _one_rank_group(self, tmp_path):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            yield
+            return
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    def test_steps_match_the_plain_optimizer(self, make_optimizer):
+        for optimizer_class, defaults in (
+            (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+            (torch.optim.Adam, {"lr": 0.01}),
+        ):
+            torch.manual_seed(0)
+            a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+            b.load_state_dict(a.state_dict())
+            plain = optimizer_class(a.parameters(), **defaults)
+            mine = make_optimizer(b.parameters(), optimizer_class, **defaults)
+            for step in range(3):
+                x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+                for model, optimizer in ((a, plain), (b, mine)):
+                    model(x).square().sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            for p, q in zip(a.parameters(), b.parameters(), strict=True):
+                assert torch.equal(p, q), (
+                    f"{optimizer_class.__name__}: parameters differ from the plain optimizer's"
+                )
+
+    def test_state_dict_round_trip_in_torch_format(self, make_optimizer):
+        model = nn.Linear(4, 3)
+        mine = make_optimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+        model(torch.randn(2, 4)).sum().backward()
+        mine.step()
+        mine.consolidate_state_dict(to=0)
+        state = mine.state_dict()
+        assert set(state) >= {"state", "param_groups"}, f"state_dict keys {sorted(state)}: not torch's format"
+        again = make_optimizer(model.parameters(), torch.optim.Adam, lr=0.5)
+        again.load_state_dict(state)
+        assert again.param_groups[0]["lr"] == 0.01, "load_state_dict did not restore the hyperparameters"
