@@ -1,4 +1,4 @@
-"""Command line: ``python -m leanstate {demo,info,bench,inspect,convert,gpu-check}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,verify,inspect,convert,gpu-check}``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,12 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from leanstate._verify import main as verify
+
+    return verify(args)
+
+
 def _info(args: argparse.Namespace) -> int:
     print(leanstate.backend_info())
     return 0
@@ -170,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")
     inspect.set_defaults(run=_inspect)
+    verify = commands.add_parser("verify", help="check every installed backend against the reference")
+    verify.add_argument("--backend", default=None, help="only this backend's checks")
+    verify.add_argument("--quick", action="store_true", help="fewer random workloads (about a minute)")
+    verify.set_defaults(run=_verify)
     convert = commands.add_parser(
         "convert", help="convert a whole-row checkpoint to torch.distributed.checkpoint (DCP) or back"
     )

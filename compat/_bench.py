@@ -368,15 +368,20 @@ def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
     dist.destroy_process_group()
 
 
-def zero_comparison(world: int = 2, steps: int = 10) -> dict:
-    """Spawn ``world`` gloo ranks on 127.0.0.1 comparing leanstate's ZeRO with torch's."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
     import socket
-
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def zero_comparison(world: int = 2, steps: int = 10) -> dict:
+    """Spawn ``world`` gloo ranks on 127.0.0.1 comparing leanstate's ZeRO with torch's."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "zero.json")
         mp.start_processes(_zero_worker, args=(world, port, out, steps), nprocs=world, start_method="spawn")
@@ -421,13 +426,9 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim:
 def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_384) -> dict:
     """Spawn ``world`` gloo ranks stepping a sharded table (``ids`` lookups per rank per step);
     the median step time and the bytes exchanged against the minimum, summed over ranks."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "sharded.json")
         mp.start_processes(

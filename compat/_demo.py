@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import leanstate
+from leanstate._bench import free_port
 
 # Another world size sums gradients in another order: the losses of a continued run
 # differ from the uninterrupted one's in the last bits, and by at most this much.
@@ -242,14 +242,8 @@ def _worker(rank: int, world: int, port: int, run: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(run: dict, world: int) -> dict:
-    mp.start_processes(_worker, args=(world, _free_port(), run), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), run), nprocs=world, start_method="spawn")
     record = json.loads(Path(run["out"], f"{run['name']}.json").read_text())
     record["losses"] = {int(k): v for k, v in record["losses"].items()}
     return record
