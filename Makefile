@@ -28,8 +28,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow"
 
+# The quick table, then an asv run of the store and checkpoint suites in this venv, kept
+# under asv_bench/results for asv compare / asv publish.
 bench: $(STAMP)
-	$(BIN)/python -m leanstate bench
+	$(BIN)/python -m leanstate bench --quick
+	cd asv_bench && ../$(BIN)/asv machine --yes
+	cd asv_bench && ../$(BIN)/asv run -E existing:$(abspath $(BIN)/python) \
+		--set-commit-hash $$(git rev-parse HEAD) -a repeat=1 -a rounds=1 --bench "kv_store|checkpoint"
 
 # On a CUDA machine: the gpu-marked tests and the GPU bench, into $$OUT (or ./gpu-check).
 gpu-check: $(STAMP)

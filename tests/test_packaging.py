@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +50,25 @@ def test_make_test_installs_the_pinned_cpu_torch_before_the_package():
     package = next(i for i, line in enumerate(installs) if " -e " in line)
     assert "torch==2.13.0" in installs[first_torch].split() and first_torch < package, installs
     assert torch.__version__.split("+")[0] == "2.13.0" and torch.version.cuda is None
+
+
+@pytest.mark.slow
+def test_a_plain_install_without_extras_runs_the_quick_bench(tmp_path):
+    """``pip install .`` (no dev, bench or demo extras: no pandas, no matplotlib) runs the bench."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=1800)
+    subprocess.run([*pip, str(ROOT)], check=True, timeout=1800)
+    missing = subprocess.run(
+        [python, "-c", "import importlib.util as u; print([u.find_spec(n) is None for n in ('pandas', 'matplotlib')])"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert missing.stdout.strip() == "[True, True]"
+    done = subprocess.run(
+        [python, "-m", "leanstate", "bench", "--quick", "--rows", "3000", "--dim", "16", "--batch", "512"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "component" in done.stdout and "plain write+fsync" in done.stdout
