@@ -28,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +67,7 @@ _MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 b
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and the chunk."""
+    """A checkpoint that cannot be loaded or saved: the message names the file (and chunk or table)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,13 @@ def targets_of(tables: Mapping[str, KVStore | KVTensor], method: str) -> list[_T
         raise TypeError(f"{method}: tables must be a mapping name -> KVStore or KVTensor")
     targets = []
     for name, value in tables.items():
+        if isinstance(name, str):
+            try:
+                name.encode()
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{method}: table name {name!r} cannot be a file name (not encodable as UTF-8: {exc.reason})"
+                ) from None
         if (
             not isinstance(name, str)
             or not plain_name(name)
@@ -325,6 +333,12 @@ def _save(
         if extra_bytes is not None:
             manifest["extra"] = write_extra(staging, extra_bytes)
         publish(staging, manifest, path, previous)
+    except OSError as exc:  # disk full, file too large, I/O error: name what was being saved
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{method}: saving {path} failed ({exc.strerror or exc}); the previous checkpoint at that path, "
+            "if any, is unchanged"
+        ) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -390,6 +404,13 @@ def checked_target(path: object, method: str) -> Path:
     if str(path) == "" or Path(path).name in ("", ".", ".."):
         raise ValueError(f"{method}: path must name a checkpoint directory; got {str(path)!r}")
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{method}: {path} is a dangling symlink; pass the directory it should name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{method}: {path} is under {parent}, which is a file, not a directory")
+            break
     if path.exists() and not path.is_dir():
         raise ValueError(f"{method}: {path} exists and is not a directory; refusing to replace it")
     if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
@@ -437,6 +458,31 @@ def remove_checkpoint(path: Path) -> None:
 
 
 # -- read -------------------------------------------------------------------------------
+
+
+def open_regular(file: Path, what: str):
+    """``file`` opened for reading if it is a regular file: not a symlink (which could read
+    outside the checkpoint), FIFO (which would block), directory or device.
+
+    Raises :class:`CheckpointError` naming ``what`` and the file otherwise, or when it is
+    missing.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{what} {file} is missing") from exc
+    except OSError as exc:  # ELOOP: a symlink
+        kind = "a symlink" if os.path.islink(file) else f"unreadable ({exc.strerror})"
+        raise CheckpointError(
+            f"{what} {file} is {kind}; only regular files inside the checkpoint are read"
+        ) from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
+        raise CheckpointError(f"{what} {file} is {kind}, not a regular file; refusing to read it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def is_count(value: object) -> bool:
@@ -548,6 +594,18 @@ def _manifest_problem(manifest: object) -> str | None:
     return None
 
 
+def parse_manifest(file: Path) -> object:
+    """The JSON in ``file`` (a regular file), or :class:`CheckpointError` naming it for
+    anything that is not plain JSON: bad bytes, nesting too deep, numbers too long."""
+    with open_regular(file, "manifest") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
+        message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of the checkpoint at ``path``, checked against the schema.
 
@@ -556,7 +614,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """
     path = Path(path)
     file = path / MANIFEST
-    if not file.is_file():
+    if not os.path.lexists(file):
         complete = [
             p for p in sorted(path.parent.glob(f".{path.name}.previous-*")) if (p / MANIFEST).is_file()
         ]
@@ -566,31 +624,41 @@ def read_manifest(path: str | os.PathLike) -> dict:
             else ""
         )
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
-    try:
-        manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
-    problem = _manifest_problem(manifest)
+    manifest = parse_manifest(file)
+    problem = checked_problem(_manifest_problem, manifest)
     if problem is not None:
         raise CheckpointError(f"{file}: {problem}")
     return manifest
+
+
+def checked_problem(find_problem: Callable[[object], str | None], manifest: object) -> str | None:
+    """``find_problem(manifest)``, where a check that trips over a value of the wrong shape
+    (a missing key, a string for a number) is a problem too, not a crash."""
+    try:
+        return find_problem(manifest)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as exc:
+        return f"malformed ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 def read_extra(path: Path, manifest: dict) -> dict[str, object]:
     """The dense ``extra`` state, checked (size, CRC, ``weights_only`` load) before any row moves."""
     extra = manifest["extra"]
     if extra is None:
+        if os.path.lexists(path / EXTRA_FILE):
+            raise CheckpointError(
+                f"{path / MANIFEST} says there is no extra state, but {path / EXTRA_FILE} exists: the "
+                "manifest does not describe this checkpoint"
+            )
         return {}
     if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
         extra = {"file": extra}
     file = path / extra["file"]
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"extra state file {file} is missing") from exc
+    with open_regular(file, "extra state file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if "bytes" in extra and size != extra["bytes"]:  # checked before reading: no allocation
+            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {extra['bytes']}")
+        data = f.read()
     if "bytes" in extra:  # (the older bare-string form carries no size or CRC)
-        if len(data) != extra["bytes"]:
-            raise CheckpointError(f"{file} has {len(data)} bytes, the manifest expects {extra['bytes']}")
         if crc32c.crc32c(data) != extra["crc"]:
             raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
     try:
@@ -643,10 +711,7 @@ def read_chunks(
     valid until the next is read.
     """
     file = path / table["file"]
-    try:
-        f = open(file, "rb")
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"table {name!r}: data file {file} is missing") from exc
+    f = open_regular(file, f"table {name!r}: data file")
     row_bytes = table["row_bytes"]
     slice_rows = max(1, slice_bytes // row_bytes)
     checksum = CHECKSUMS.get(table.get("checksum"))

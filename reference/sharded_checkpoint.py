@@ -16,7 +16,6 @@ Example (on every rank)::
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -201,15 +200,12 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
 def read_manifest_v2(path: Path) -> dict:
     """A version-1 manifest (checked by the v1 reader) or a version-2 one (checked here)."""
     file = path / v1.MANIFEST
-    if not file.is_file():
+    if not os.path.lexists(file):
         return v1.read_manifest(path)  # raises, naming what is missing
-    try:
-        manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise v1.CheckpointError(f"{file}: not valid JSON ({exc})") from exc
+    manifest = v1.parse_manifest(file)
     if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
         return v1.read_manifest(path)
-    problem = _manifest_problem(manifest)
+    problem = v1.checked_problem(_manifest_problem, manifest)
     if problem is not None:
         raise v1.CheckpointError(f"{file}: {problem}")
     return manifest
@@ -353,7 +349,7 @@ def _read_chunk(handle, file: Path, index: int, chunk: dict, saved: dict, dtype:
 def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stats, *, apply: bool) -> None:
     for f in _files_of(saved):
         file = path / f["file"]
-        with open(file, "rb") as handle:
+        with v1.open_regular(file, f"table {name!r}: data file") as handle:
             for i, chunk in enumerate(f["chunks"]):
                 if "bucket" in chunk and (
                     owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=table.buckets)
@@ -377,7 +373,7 @@ def verify_sharded(path: str | os.PathLike):
     for name, saved in manifest["tables"].items():
         dtype = v1.DTYPES[saved["dtype"]]
         for f in _files_of(saved):
-            with open(path / f["file"], "rb") as handle:
+            with v1.open_regular(path / f["file"], f"table {name!r}: data file") as handle:
                 for i, chunk in enumerate(f["chunks"]):
                     _read_chunk(handle, path / f["file"], i, chunk, saved, dtype)
                     yield name, f["file"], i
