@@ -97,7 +97,8 @@ def normalise(bag, input, offsets, per_sample_weights):
             raise ValueError(
                 f"KVEmbeddingBag: per_sample_weights must be a tensor of input's shape {tuple(ids.shape)}"
             )
-        per_sample_weights = per_sample_weights.detach().to(bag.device, torch.float32).contiguous()
+        # not detached: the weights' gradient (the rows of their ids) flows back to the caller
+        per_sample_weights = per_sample_weights.to(bag.device, torch.float32).contiguous()
     return ids, offsets, per_sample_weights
 
 

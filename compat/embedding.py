@@ -48,8 +48,22 @@ class _FusedUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        apply_gradient(ctx.bag, *ctx.saved, grad_output.detach().contiguous())
-        return (None,) * 6
+        grad_output = grad_output.detach().contiguous()
+        unique, inverse, offsets, weights = ctx.saved
+        grad_weights = None
+        if ctx.needs_input_grad[5]:
+            # d out[b] / d w_i = the row of id i (sum mode): read before the update moves it
+            rows = ctx.bag.store.get(unique, width=ctx.bag.embedding_dim).float()
+            bag_of = torch.repeat_interleave(
+                torch.arange(len(offsets) - 1, device=rows.device),
+                torch.diff(offsets),
+                output_size=len(inverse),
+            )
+            grad_weights = (grad_output.to(rows.device)[bag_of] * rows[inverse]).sum(1)
+        apply_gradient(
+            ctx.bag, unique, inverse, offsets, weights.detach() if weights is not None else None, grad_output
+        )
+        return None, None, None, None, None, grad_weights
 
 
 def _check_number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:

@@ -286,3 +286,34 @@ def test_checkpoint_tables_round_trip_through_save_and_load(tmp_path):
     assert tables["momentum1"].ignored_writes == len(bag.store)
     keys = bag.store.keys()
     assert torch.equal(fresh.store.get_rows(keys), bag.store.get_rows(keys)) and fresh.optimizer_step == 1
+
+
+@pytest.mark.parametrize("backend", sorted(__import__("leanstate")._backends.available("embedding")))
+@pytest.mark.parametrize("two_d", [False, True])
+def test_per_sample_weights_get_nn_embedding_bags_gradient(backend, two_d):
+    """d out[b] / d w_i is the row of id i (mode sum), read before the update; padding gets 0."""
+    bag = KVEmbeddingBag(100, 6, lr=0.1, optimizer="rowwise_adagrad", backend=backend)
+    initial = bag.store.get(torch.arange(100)).float()[:, :6].clone()
+    if two_d:
+        ids = torch.tensor([[3, 7, 3], [50, -1, 9]])
+        offsets, kept_offsets = None, torch.tensor([0, 3])
+    else:
+        ids, offsets, kept_offsets = (
+            torch.tensor([3, 7, 3, 50, -1, 9]),
+            torch.tensor([0, 2, 5]),
+            torch.tensor([0, 2, 4]),
+        )
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out = bag(ids, offsets, per_sample_weights=weights)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * upstream).sum().backward()
+    peer = nn.EmbeddingBag(100, 6, mode="sum")
+    peer.weight.data.copy_(initial)
+    theirs = weights.detach().clone().requires_grad_()
+    keep = ids.reshape(-1) >= 0
+    want = peer(ids.reshape(-1)[keep], kept_offsets, per_sample_weights=theirs.reshape(-1)[keep])
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(out.detach(), want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weights.grad, theirs.grad, rtol=1e-6, atol=1e-6)
+    assert float(weights.grad.reshape(-1)[4]) == 0.0  # the padding id
+    assert bag.optimizer_step == 1  # and the rows were still updated
