@@ -46,7 +46,8 @@ def test_any_backend_loads_what_any_backend_saved(tmp_path, dtype, source, targe
         assert torch.equal(dst.get_rows(keys).view(torch.uint8), src.get_rows(keys).view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend", [b for b in STORES if b != "reference"])
+# host stores: the simulator would run 400k rows through Python threads
+@pytest.mark.parametrize("backend", [b for b in STORES if b not in ("reference", "numba-cuda")])
 def test_a_resume_load_into_an_accelerated_store_holds_about_a_chunk(backend):
     """Loading into a live store that holds the rows (a resume) must not grow it by the
     table (a reserve of rows it already holds did: +26.8 MiB for a 16.8 MiB table)."""
