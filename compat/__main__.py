@@ -20,13 +20,14 @@ def _inspect_sharded(path: str, manifest: dict) -> int:
     """``inspect`` of a checkpoint saved across ranks (format version 2)."""
     from leanstate.reference.checkpoint import CheckpointError
     from leanstate.reference.sharded_checkpoint import verify_sharded
+    from leanstate.reference.sharding import describe_bucketing
 
     print(f"  saved by {manifest['world_size']} ranks")
     for name, t in manifest["tables"].items():
         b = t["bucketing"]
         print(
             f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "
-            f"state {t['optimizer_state_dim']}), {b['buckets']} buckets of size {b['bucket_size'] or 'mod'}"
+            f"state {t['optimizer_state_dim']}), {describe_bucketing(b['buckets'], b['bucket_size'])}"
         )
         for f in t["files"]:
             print(f"    {f['file']} (rank {f['rank']}): {f['bytes']} bytes in {len(f['chunks'])} chunks")
@@ -72,7 +73,10 @@ def _inspect_manifest(args: argparse.Namespace) -> int:
         )
     for name, v in manifest["views"].items():
         kind = "read-only view" if v["read_only"] else "view"
-        print(f"  {kind} {name}: of {v['table']}, columns {v['width_offset']}+{v['width']}, {v['rows']} rows")
+        first, last = v["width_offset"], v["width_offset"] + v["width"]
+        print(
+            f"  {kind} {name}: of {v['table']}, {v['width']} columns ({first} to {last - 1}), {v['rows']} rows"
+        )
     if manifest["extra"]:
         print(f"  extra state: {manifest['extra']}")
     checked = 0

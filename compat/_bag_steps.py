@@ -207,16 +207,89 @@ def table_inputs(features, table_features: Mapping[str, list[str]]):
 
 
 class Tables(nn.Module):
-    """The collection's bags by table name: ``tables[name]``.
+    """The collection's bags by table name, as a mapping: ``tables[name]``, ``len``,
+    iteration over the names, ``keys()``, ``values()``, ``items()``, ``in``.
 
     Not an ``nn.ModuleDict``, whose own methods would forbid tables named ``items``,
-    ``keys``, ``values`` or ``update``.
+    ``keys``, ``values`` or ``update``: here the bags are registered directly, so a table
+    may have any name and ``tables.items()`` is always the method.
     """
 
     def __init__(self, bags: Mapping[str, nn.Module]) -> None:
         super().__init__()
         for name, bag in bags.items():
-            self.add_module(name, bag)
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(f"table names must be non-empty strings without '.'; got {name!r}")
+            self._modules[name] = bag  # not add_module: it refuses names of methods
 
     def __getitem__(self, name: str) -> nn.Module:
-        return self._modules[name]
+        try:
+            return self._modules[name]
+        except KeyError:
+            raise KeyError(f"no table {name!r}; the tables are {list(self._modules)}") from None
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modules
+
+    def keys(self):
+        """The table names, in order."""
+        return self._modules.keys()
+
+    def values(self):
+        """The bags, in table order."""
+        return self._modules.values()
+
+    def items(self):
+        """(name, bag) pairs, in table order."""
+        return self._modules.items()
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The fused tables' hyperparameters as a ``torch.optim.Optimizer`` (TorchRec's
+    ``fused_optimizer``): one parameter group per table, whose ``lr`` (and ``eps``,
+    ``weight_decay``) write through to the bag, so ``torch.optim.lr_scheduler`` drives
+    them. ``step`` and ``zero_grad`` do nothing: the bags update their rows in backward.
+    """
+
+    def __init__(self, bags: Mapping[str, nn.Module]) -> None:
+        self._bags = dict(bags)
+        groups = [_TableGroup(name, bag) for name, bag in self._bags.items()]
+        super().__init__(groups, {})
+        # Optimizer.__init__ copies each group into a plain dict: put the live ones back
+        self.param_groups = [_TableGroup(g["table"], self._bags[g["table"]], g) for g in self.param_groups]
+
+    def step(self, closure=None):
+        """Nothing to do (the update happened in backward); calls ``closure`` if given."""
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the tables keep no gradients."""
+
+
+class _TableGroup(dict):
+    """A parameter group whose hyperparameters are the bag's own."""
+
+    _LIVE = ("lr", "eps", "weight_decay")
+
+    def __init__(self, table: str, bag: nn.Module, base: Mapping | None = None) -> None:
+        super().__init__(base or {"params": [torch.zeros(0, requires_grad=True)]})
+        dict.__setitem__(self, "table", table)
+        self._bag = bag
+        for key in self._LIVE:
+            dict.__setitem__(self, key, getattr(bag, key))
+
+    def __setitem__(self, key, value) -> None:
+        if key in self._LIVE:
+            setattr(self._bag, key, float(value))
+        super().__setitem__(key, value)
+
+    def __getitem__(self, key):
+        if key in self._LIVE:
+            return getattr(self._bag, key)
+        return super().__getitem__(key)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from leanstate import _backends
-from leanstate._bag_steps import Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate._bag_steps import FusedOptimizer, Tables, apply_gradient, build_bag, prepare, table_inputs
 from leanstate._rows import copy_rows
 from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
@@ -532,8 +532,17 @@ class KVEmbeddingBagCollection(nn.Module):
         everything = [f for names in features.values() for f in names]
         if len(set(everything)) != len(everything):
             raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
+        self._fused_optimizer = None
         self.embedding_bags = Tables(bags)
         self._table_features = features
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one group per table, its
+        ``lr`` the bag's): what ``torch.optim.lr_scheduler`` schedulers drive."""
+        if self._fused_optimizer is None:
+            self._fused_optimizer = FusedOptimizer(dict(self.embedding_bags.items()))
+        return self._fused_optimizer
 
     def feature_names(self) -> list[str]:
         """Every feature, in output order."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanstate._bag_steps import Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate._bag_steps import FusedOptimizer, Tables, apply_gradient, build_bag, prepare, table_inputs
 from leanstate.embedding import KeyedTensor, KVTableConfig
 from leanstate.reference.sharded_checkpoint import BucketedTable
 from leanstate.reference.sharding import bucket_owner, bucket_range
@@ -121,6 +121,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         # The exchange runs where the group's backend moves data: NCCL moves CUDA tensors only.
         nccl = dist.get_backend(self.process_group) == "nccl"
         self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._fused_optimizer = None
         self.embedding_bags = Tables({c.name: build_bag(c, clock=clock, backend=backend) for c in configs})
         self._table_features = {c.name: c.feature_names for c in configs}
         # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
@@ -142,6 +143,14 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
             f"tables={list(self._table_features)}, rank={self.rank}, world_size={self.world_size}, "
             f"bucketing={self.bucketing}"
         )
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one group per table, its
+        ``lr`` the bag's): what ``torch.optim.lr_scheduler`` schedulers drive."""
+        if self._fused_optimizer is None:
+            self._fused_optimizer = FusedOptimizer(dict(self.embedding_bags.items()))
+        return self._fused_optimizer
 
     def feature_names(self) -> list[str]:
         """Every feature, in output order."""

@@ -773,6 +773,12 @@ def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]
 # -- load -------------------------------------------------------------------------------
 
 
+def _optimizer_of(state_dim: int, dim: int) -> str:
+    """Which of the fused optimizers keeps ``state_dim`` values per row of ``dim`` weights."""
+    known = {0: "sgd", 1: "rowwise_adagrad", 2 * dim: "adam"}
+    return f"{known[state_dim]}-sized" if state_dim in known else f"{state_dim} state values per row"
+
+
 def check_layout(where: Path, name: str, table: dict, store: KVStore) -> None:
     layout = store.layout
     saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES.get(table["dtype"], torch.float32))
@@ -783,7 +789,9 @@ def check_layout(where: Path, name: str, table: dict, store: KVStore) -> None:
         problems.append(f"dim {table['dim']} vs the store's {layout.dim}")
     if table["optimizer_state_dim"] != layout.state_dim:
         problems.append(
-            f"optimizer_state_dim {table['optimizer_state_dim']} vs the store's {layout.state_dim}"
+            f"optimizer_state_dim {table['optimizer_state_dim']} vs the store's {layout.state_dim} (saved "
+            f"{_optimizer_of(table['optimizer_state_dim'], table['dim'])}, this store "
+            f"{_optimizer_of(layout.state_dim, layout.dim)}: build it with the optimizer it was saved with)"
         )
     if not problems and (table["width"], table["row_bytes"]) != (saved.width, saved.row_bytes):
         problems.append(f"width {table['width']} does not match its own dim, state and dtype")

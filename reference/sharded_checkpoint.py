@@ -29,7 +29,7 @@ import torch.distributed as dist
 from leanstate.reference import checkpoint as v1
 from leanstate.reference.kv_store import KVStore
 from leanstate.reference.row_format import RowLayout, header_words
-from leanstate.reference.sharding import bucket_of, bucket_owner, owner_of_bucket
+from leanstate.reference.sharding import bucket_of, bucket_owner, describe_bucketing, owner_of_bucket
 
 FORMAT_VERSION = 2
 
@@ -316,9 +316,10 @@ def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> No
         table.bucket_size,
     ):
         raise v1.CheckpointError(
-            f"table {name!r} in {path / v1.MANIFEST}: saved with {bucketing['buckets']} buckets of size "
-            f"{bucketing['bucket_size']}; this module has {table.buckets} of size {table.bucket_size} "
-            "(build it with the same total_num_buckets and num_embeddings)"
+            f"table {name!r} in {path / v1.MANIFEST}: saved with "
+            f"{describe_bucketing(bucketing['buckets'], bucketing['bucket_size'])}, but this module has "
+            f"{describe_bucketing(table.buckets, table.bucket_size)} (build it with the same "
+            "total_num_buckets and num_embeddings)"
         )
 
 

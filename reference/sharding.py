@@ -64,6 +64,14 @@ def owner_of_bucket(buckets, *, world_size: int, total_num_buckets: int):
     return buckets * world_size // total_num_buckets
 
 
+def describe_bucketing(buckets: int, bucket_size: int | None) -> str:
+    """A bucketing in words: ``"1024 buckets of 98 consecutive ids (id // 98)"`` or
+    ``"1024 interleaved buckets (id % 1024)"``."""
+    if bucket_size is None:
+        return f"{buckets} interleaved buckets (id % {buckets}, for hashed ids)"
+    return f"{buckets} buckets of {bucket_size} consecutive ids (id // {bucket_size})"
+
+
 def bucket_owner(
     ids: torch.Tensor, *, world_size: int, total_num_buckets: int = 1024, bucket_size: int | None = None
 ) -> torch.Tensor:

@@ -304,3 +304,42 @@ def test_collection_state_dict_goes_through_nn_module():
     )
     with pytest.raises(RuntimeError, match="Unexpected key.*embedding_bags.items.extra"):
         fresh.load_state_dict({**state, "embedding_bags.items.extra": torch.zeros(1)})
+
+
+def test_the_tables_are_a_mapping_whatever_their_names():
+    from leanstate import KVEmbeddingBagCollection, KVTableConfig
+
+    names = ["items", "keys", "values", "update", "t"]
+    ebc = KVEmbeddingBagCollection([KVTableConfig(name, 4) for name in names])
+    tables = ebc.embedding_bags
+    assert list(tables) == names and len(tables) == 5 and list(tables.keys()) == names
+    assert [name for name, _ in tables.items()] == names
+    assert all(type(bag).__name__ == "KVEmbeddingBag" for bag in tables.values())
+    assert "items" in tables and "nope" not in tables
+    assert tables["items"] is dict(tables.items())["items"]
+    with pytest.raises(KeyError, match="no table 'nope'"):
+        tables["nope"]
+
+
+def test_an_lr_scheduler_drives_the_fused_optimizer():
+    from leanstate import KeyedJaggedTensor, KVEmbeddingBagCollection, KVTableConfig
+
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", 4, lr=0.4), KVTableConfig("u", 4, lr=0.2)])
+    optimizer = ebc.fused_optimizer
+    assert isinstance(optimizer, torch.optim.Optimizer) and ebc.fused_optimizer is optimizer
+    assert [g["table"] for g in optimizer.param_groups] == ["t", "u"]
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    features = KeyedJaggedTensor(["t", "u"], torch.tensor([3, 5]), lengths=torch.tensor([1, 1]))
+    deltas = []
+    for _ in range(3):
+        before = ebc.embedding_bags["t"].store.get(torch.tensor([3])).clone()
+        ebc(features).values().sum().backward()  # SGD: the row moves by -lr * 1
+        deltas.append(float((ebc.embedding_bags["t"].store.get(torch.tensor([3])) - before)[0, 0]))
+        optimizer.step()
+        scheduler.step()
+    torch.testing.assert_close(torch.tensor(deltas), torch.tensor([-0.4, -0.2, -0.1]))
+    assert ebc.embedding_bags["u"].lr == pytest.approx(0.2 / 8)
+    state = scheduler.state_dict()
+    fresh = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    fresh.load_state_dict(state)
+    assert fresh.last_epoch == 3

@@ -444,3 +444,18 @@ def test_whole_row_load_memory_is_bounded_and_the_legacy_load_is_not(tmp_path):
     # The legacy flow holds the table's three tensors at once: its peak is the table's
     # content (RSS counts whole pages, and the store's own writes add little with numba).
     assert results["legacy"]["extra"] > 0.95 * table, results
+
+
+def test_a_layout_mismatch_names_the_optimizers(tmp_path):
+    saved = KVStore(4, optimizer_state_dim=1)  # rowwise Adagrad: one value per row
+    saved.set(torch.tensor([1]), torch.ones(1, 4))
+    save_checkpoint(tmp_path / "c", {"t": saved})
+    with pytest.raises(CheckpointError, match="saved rowwise_adagrad-sized, this store adam-sized"):
+        load_checkpoint(tmp_path / "c", {"t": KVStore(4, optimizer_state_dim=8)})
+
+
+def test_bucketings_are_described_in_words():
+    from leanstate.reference.sharding import describe_bucketing
+
+    assert describe_bucketing(1024, None) == "1024 interleaved buckets (id % 1024, for hashed ids)"
+    assert describe_bucketing(64, 98) == "64 buckets of 98 consecutive ids (id // 98)"
