@@ -53,8 +53,8 @@ def normalise(bag, input, offsets, per_sample_weights):
     if ids.dim() == 2:
         if offsets is not None:
             raise ValueError("KVEmbeddingBag: offsets must be None for 2-D input (each row is one bag)")
-        step = max(1, ids.shape[1])
-        offsets = torch.arange(0, ids.numel(), step, dtype=torch.int64, device=ids.device)[: ids.shape[0]]
+        # bag b starts at b * L: [B, 0] input is B empty bags (zeros), as nn.EmbeddingBag gives
+        offsets = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device) * ids.shape[1]
         if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
             raise ValueError(
                 f"KVEmbeddingBag: per_sample_weights has shape {tuple(per_sample_weights.shape)}; "
@@ -204,6 +204,12 @@ def table_inputs(features, table_features: Mapping[str, list[str]]):
         offsets = torch.cumsum(table_lengths, 0) - table_lengths
         inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
     return batch, inputs
+
+
+def per_feature(pooled: torch.Tensor, features: int, batch: int) -> list[torch.Tensor]:
+    """A table's pooled ``[features * batch, D]`` output as one ``[batch, D]`` block per feature
+    (also for an empty batch, where ``split`` would give one block)."""
+    return [pooled[k * batch : (k + 1) * batch] for k in range(features)]
 
 
 class Tables(nn.Module):

@@ -28,7 +28,15 @@ import torch
 from torch import nn
 
 from leanstate import _backends
-from leanstate._bag_steps import FusedOptimizer, Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate._bag_steps import (
+    FusedOptimizer,
+    Tables,
+    apply_gradient,
+    build_bag,
+    per_feature,
+    prepare,
+    table_inputs,
+)
 from leanstate._rows import copy_rows
 from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
@@ -554,7 +562,7 @@ class KVEmbeddingBagCollection(nn.Module):
         pooled, dims = [], []
         for table, (ids, offsets, weights) in inputs.items():
             bag = self.embedding_bags[table]
-            pooled.extend(bag(ids, offsets, weights).split(batch))
+            pooled.extend(per_feature(bag(ids, offsets, weights), len(self._table_features[table]), batch))
             dims.extend([bag.embedding_dim] * len(self._table_features[table]))
         return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))
 

@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanstate._bag_steps import FusedOptimizer, Tables, apply_gradient, build_bag, prepare, table_inputs
+from leanstate._bag_steps import (
+    FusedOptimizer,
+    Tables,
+    apply_gradient,
+    build_bag,
+    per_feature,
+    prepare,
+    table_inputs,
+)
 from leanstate.embedding import KeyedTensor, KVTableConfig
 from leanstate.reference.sharded_checkpoint import BucketedTable
 from leanstate.reference.sharding import bucket_owner, bucket_range
@@ -176,7 +184,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         outputs = _ShardedLookup.apply(anchor, self, prepared)
         pooled, dims = [], []
         for table, out in zip(prepared, outputs, strict=True):
-            pooled.extend(out.split(batch))
+            pooled.extend(per_feature(out, len(self._table_features[table]), batch))
             dims.extend([self.embedding_bags[table].embedding_dim] * len(self._table_features[table]))
         self.exchange_stats["steps"] += 1
         return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))

@@ -343,3 +343,17 @@ def test_an_lr_scheduler_drives_the_fused_optimizer():
     fresh = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     fresh.load_state_dict(state)
     assert fresh.last_epoch == 3
+
+
+def test_empty_inputs_keep_nn_embedding_bags_shapes():
+    from leanstate import KeyedJaggedTensor, KVEmbeddingBag, KVEmbeddingBagCollection, KVTableConfig
+
+    bag = KVEmbeddingBag(None, 4)
+    out = bag(torch.empty(3, 0, dtype=torch.int64))
+    assert out.shape == (3, 4) and not out.any()  # three empty bags, as nn.EmbeddingBag
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3)])
+    empty = KeyedJaggedTensor(
+        ["a", "b", "u"], torch.empty(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64)
+    )
+    kt = ebc(empty)
+    assert kt.values().shape == (0, 11) and [kt[k].shape for k in ("a", "b", "u")] == [(0, 4), (0, 4), (0, 3)]

@@ -243,6 +243,31 @@ def failed_load_changes_nothing(rank, world, folder):
     assert all(len(t.store) == 0 for t in sharded.checkpoint_tables().values())
 
 
+def empty_rank_steps(rank, world, folder):
+    """The last rank has an empty batch (an epoch's end): it steps with the others, no hang,
+    its output has no rows and every feature's columns; the rows are what the others' batches give."""
+    sharded, single = build()
+    for step in range(2):
+        if rank == world - 1:
+            batch = KeyedJaggedTensor(
+                KEYS, torch.empty(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64)
+            )
+        else:
+            batch = local_batch(step, rank, world)
+        out = sharded(batch)
+        assert out.values().shape == (len(batch.lengths()) // len(KEYS), 8 + 8 + 4), out.values().shape
+        assert [out[k].shape[1] for k in KEYS] == [8, 8, 4]
+        out.values().sum().backward()
+        first = batch_of(step, 0, (G // world) * (world - 1))  # every sample but the last rank's
+        single(first).values().sum().backward()
+    for table in ("exact",):
+        mine, full = sharded.embedding_bags[table].store, single.embedding_bags[table].store
+        keys = mine.keys()
+        assert torch.equal(mine.get_rows(keys), full.get_rows(keys)), (
+            "rows differ from the non-empty ranks' batches"
+        )
+
+
 SCENARIOS = {
     "train": train_matches_single,
     "beside-zero": beside_zero,
@@ -252,9 +277,10 @@ SCENARIOS = {
     "1-to-3": resume(4, "w1", None, 1),
     "version-1": load_version_1,
     "bad-chunk": failed_load_changes_nothing,
+    "empty-rank": empty_rank_steps,
 }
 RUNS = [  # in order: each later world loads what an earlier one saved
-    (2, ["train", "beside-zero", "version-1", "bad-chunk"]),
+    (2, ["train", "beside-zero", "version-1", "bad-chunk", "empty-rank"]),
     (3, ["train", "save-3"]),
     (2, ["3-to-2"]),
     (1, ["train", "2-to-1"]),
