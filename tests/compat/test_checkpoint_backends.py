@@ -53,7 +53,7 @@ def test_a_resume_load_into_an_accelerated_store_holds_about_a_chunk(backend):
     table (a reserve of rows it already holds did: +26.8 MiB for a 16.8 MiB table)."""
     from leanstate._bench import load_peak_extra_bytes
 
-    rows, dim, chunk = 400_000, 8, 2**20
+    rows, dim, chunk = 200_000, 16, 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)
     assert memory["legacy"] > 0.9 * table, memory  # the probe sees what the legacy load holds
