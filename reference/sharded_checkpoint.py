@@ -248,7 +248,24 @@ def _manifest_problem(manifest: dict) -> str | None:
 
 def _files_of(table: dict) -> list[dict]:
     """A table's files, each with its chunks: version 2's list, or version 1's one file."""
-    return table["files"] if "files" in table else [{"file": table["file"], "chunks": table["chunks"]}]
+    if "files" in table:
+        return table["files"]
+    return [{"file": table["file"], "bytes": table["bytes"], "chunks": table["chunks"]}]
+
+
+def _open_checked(path: Path, name: str, f: dict):
+    """A table's data file, opened only if regular and exactly the manifest's size (as the
+    version-1 reader requires: no truncation, no trailing bytes)."""
+    file = path / f["file"]
+    handle = v1.open_regular(file, f"table {name!r}: data file")
+    size = os.fstat(handle.fileno()).st_size
+    if size != f["bytes"]:
+        handle.close()
+        raise v1.CheckpointError(
+            f"table {name!r}: {file} has {size} bytes, the manifest expects {f['bytes']} "
+            f"({'truncated' if size < f['bytes'] else 'trailing bytes'})"
+        )
+    return handle
 
 
 def load_sharded(
@@ -270,8 +287,10 @@ def load_sharded(
     path = Path(path)
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
-    empty = all(len(t.store) == 0 for t in tables.values())
-    problem, extra = None, {}
+    # Every rank takes the same path: one pass when every store on every rank is empty
+    # (a failure empties them again), else verify everywhere, agree, then apply.
+    empty = all(_gathered(all(len(t.store) == 0 for t in tables.values()), process_group))
+    problem, extra, plan = None, {}, []
     try:
         manifest = read_manifest_v2(path)
         missing = [name for name in tables if name not in manifest["tables"]]
@@ -287,21 +306,40 @@ def load_sharded(
             for name, table, saved in plan:
                 _load_table(path, name, table, saved, rank, world, stats, apply=False)
             stats = dict.fromkeys(stats, 0)
-        for name, table, saved in plan:
-            _load_table(path, name, table, saved, rank, world, stats, apply=True)
     except Exception as exc:
         problem = f"rank {rank}: {exc}"
-    problems = [None] * world
-    dist.all_gather_object(problems, problem, group=process_group)
-    failed = [p for p in problems if p is not None]
-    if failed:
-        if empty:
-            for table in tables.values():
-                table.store.delete(table.store.keys())
-        raise v1.CheckpointError(f"{method}: the load across ranks failed: {failed[0]}")
+    _raise_if_any(_gathered(problem, process_group), method, undo=None, outcome="nothing was applied")
+    try:
+        for name, table, saved in plan:
+            _load_table(path, name, table, saved, rank, world, stats, apply=True)
+        problem = None
+    except Exception as exc:
+        problem = f"rank {rank}: {exc}"
+    _raise_if_any(
+        _gathered(problem, process_group),
+        method,
+        undo=tables.values() if empty else None,
+        outcome="the stores were emptied again" if empty else "verified rows were being applied",
+    )
     last_load_stats.clear()
     last_load_stats.update(stats)
     return extra
+
+
+def _gathered(value, group) -> list:
+    """``value`` from every rank of ``group``, in rank order."""
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _raise_if_any(problems: list, method: str, *, undo, outcome: str) -> None:
+    """Raise the first rank's problem on every rank, after emptying the ``undo`` stores."""
+    failed = [p for p in problems if p is not None]
+    if failed:
+        for table in undo or ():
+            table.store.delete(table.store.keys())
+        raise v1.CheckpointError(f"{method}: the load across ranks failed ({outcome}): {failed[0]}")
 
 
 last_load_stats: dict[str, int] = {}
@@ -335,6 +373,12 @@ def _read_chunk(handle, file: Path, index: int, chunk: dict, saved: dict, dtype:
     if v1.CHECKSUMS[saved.get("checksum", "crc32")](data, 0) != chunk["crc"]:
         raise v1.CheckpointError(f"{where}: checksum mismatch")
     rows = torch.frombuffer(bytearray(data), dtype=dtype).view(chunk["rows"], layout.width)
+    ids = header_words(rows)[:, 0]
+    # the reader rules of every path: ids strictly ascending within a chunk, and the manifest's range
+    if bool((ids[1:] <= ids[:-1]).any()) or (int(ids[0]), int(ids[-1])) != (chunk["min_id"], chunk["max_id"]):
+        raise v1.CheckpointError(
+            f"{where}: its ids do not strictly ascend from {chunk['min_id']} to {chunk['max_id']}; the file is corrupt"
+        )
     if "bucket" in chunk:
         bucketing = saved["bucketing"]
         buckets = bucket_of(
@@ -350,7 +394,7 @@ def _read_chunk(handle, file: Path, index: int, chunk: dict, saved: dict, dtype:
 def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stats, *, apply: bool) -> None:
     for f in _files_of(saved):
         file = path / f["file"]
-        with v1.open_regular(file, f"table {name!r}: data file") as handle:
+        with _open_checked(path, name, f) as handle:
             for i, chunk in enumerate(f["chunks"]):
                 if "bucket" in chunk and (
                     owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=table.buckets)
@@ -374,7 +418,7 @@ def verify_sharded(path: str | os.PathLike):
     for name, saved in manifest["tables"].items():
         dtype = v1.DTYPES[saved["dtype"]]
         for f in _files_of(saved):
-            with v1.open_regular(path / f["file"], f"table {name!r}: data file") as handle:
+            with _open_checked(path, name, f) as handle:
                 for i, chunk in enumerate(f["chunks"]):
                     _read_chunk(handle, path / f["file"], i, chunk, saved, dtype)
                     yield name, f["file"], i

@@ -243,6 +243,67 @@ def failed_load_changes_nothing(rank, world, folder):
     assert all(len(t.store) == 0 for t in sharded.checkpoint_tables().values())
 
 
+def bad_chunk_leaves_trained_stores_as_they_were(rank, world, folder):
+    """A flipped byte in a chunk rank 0 owns: every rank raises, and no rank's trained store
+    changes (every rank verifies, the ranks agree, and only then does any apply)."""
+    sharded, single = build()
+    for step in range(2):
+        train_step(sharded, single, step, rank, world)
+    path = Path(folder, f"bad-v2-{world}")
+    save_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD, chunk_bytes=4 * 48)
+    train_step(sharded, single, 2, rank, world)  # the stores move on past the checkpoint
+    if rank == 0:
+        file = path / "exact.weight.rank0.rows"
+        data = bytearray(file.read_bytes())
+        data[20] ^= 0x01  # a weight byte of the first chunk, which rank 0 owns
+        file.write_bytes(bytes(data))
+    dist.barrier()
+    before = {
+        t: sharded.embedding_bags[t].store.get_rows(sharded.embedding_bags[t].store.keys())
+        for t in ("exact", "hashed")
+    }
+    with pytest.raises(Exception, match=r"rank 0: .*exact.weight.rank0.rows chunk 0: checksum mismatch"):
+        load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    for table, rows in before.items():
+        store = sharded.embedding_bags[table].store
+        after = store.get_rows(store.keys())
+        assert torch.equal(after.view(torch.uint8), rows.view(torch.uint8)), f"{table} changed on rank {rank}"
+
+
+def reader_rules_hold_on_every_path(rank, world, folder):
+    """A version-2 rank file with a trailing byte, and a version-1 checkpoint with a duplicate
+    id in a chunk (CRC recomputed), are refused with process_group as a plain load refuses them."""
+    sharded, single = build()
+    for step in range(2):
+        train_step(sharded, single, step, rank, world)
+    v2 = Path(folder, "rules-v2")
+    save_checkpoint(v2, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    v1_path = Path(folder, "rules-v1")
+    if rank == 0:
+        with open(v2 / "exact.weight.rank0.rows", "ab") as f:
+            f.write(b"\0")
+        save_checkpoint(v1_path, single.checkpoint_tables())
+        manifest = json.loads((v1_path / "manifest.json").read_text())
+        table = manifest["tables"]["exact.weight"]
+        file = v1_path / table["file"]
+        data = bytearray(file.read_bytes())
+        row = table["row_bytes"]
+        data[row : 2 * row] = data[0:row]  # the second row repeats the first id
+        file.write_bytes(bytes(data))
+        chunk = table["chunks"][0]
+        import crc32c
+
+        chunk["crc"] = crc32c.crc32c(bytes(data[: chunk["rows"] * row]))
+        (v1_path / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    fresh, _ = build()
+    with pytest.raises(Exception, match="trailing bytes"):
+        load_checkpoint(v2, fresh.checkpoint_tables(), process_group=dist.group.WORLD)
+    with pytest.raises(Exception, match="do not strictly ascend"):
+        load_checkpoint(v1_path, fresh.checkpoint_tables(), process_group=dist.group.WORLD)
+    assert all(len(t.store) == 0 for t in fresh.checkpoint_tables().values())
+
+
 def empty_rank_steps(rank, world, folder):
     """The last rank has an empty batch (an epoch's end): it steps with the others, no hang,
     its output has no rows and every feature's columns; the rows are what the others' batches give."""
@@ -278,10 +339,15 @@ SCENARIOS = {
     "version-1": load_version_1,
     "bad-chunk": failed_load_changes_nothing,
     "empty-rank": empty_rank_steps,
+    "bad-chunk-trained": bad_chunk_leaves_trained_stores_as_they_were,
+    "reader-rules": reader_rules_hold_on_every_path,
 }
 RUNS = [  # in order: each later world loads what an earlier one saved
-    (2, ["train", "beside-zero", "version-1", "bad-chunk", "empty-rank"]),
-    (3, ["train", "save-3"]),
+    (
+        2,
+        ["train", "beside-zero", "version-1", "bad-chunk", "empty-rank", "bad-chunk-trained", "reader-rules"],
+    ),
+    (3, ["train", "save-3", "bad-chunk-trained"]),
     (2, ["3-to-2"]),
     (1, ["train", "2-to-1"]),
     (3, ["1-to-3"]),
