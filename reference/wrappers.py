@@ -372,29 +372,47 @@ def apply_activation_checkpointing(
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
     auto_wrap_policy: Callable | None = None,
 ) -> None:
-    """Wrap, in place, the submodules of ``model`` chosen by ``check_fn`` and the policy.
+    """Wrap, in place, the submodules of ``model`` chosen by ``auto_wrap_policy`` or, without
+    one, by ``check_fn``, as torch's ``apply_activation_checkpointing`` does.
 
-    A submodule is wrapped when ``check_fn(m)`` holds and, if given,
-    ``auto_wrap_policy(module=m, recurse=False, nonwrapped_numel=...)`` holds (torch's
-    policy signature; ``ModuleWrapPolicy`` works). The root is never wrapped, a wrapped
-    module is not searched further, and modules already wrapped are left alone, so
-    applying twice changes nothing.
+    The policy takes precedence (``check_fn`` is then ignored); it is called as torch's
+    policies are, ``policy(module=m, recurse=..., nonwrapped_numel=...)`` (``ModuleWrapPolicy``
+    works). The tree is walked depth first: a module's children are wrapped before the
+    module itself, so when a match holds matches inside it the wrappers nest. The root is
+    never wrapped, and modules already wrapped are left alone, so applying twice changes
+    nothing.
     """
-
-    def chosen(module: nn.Module) -> bool:
-        if not check_fn(module):
-            return False
-        return auto_wrap_policy is None or bool(
-            auto_wrap_policy(module=module, recurse=False, nonwrapped_numel=_numel(module))
+    if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+        raise TypeError(
+            f"apply_activation_checkpointing: auto_wrap_policy must be callable as torch's policies are; "
+            f"got {type(auto_wrap_policy).__name__}"
         )
 
-    def visit(parent: nn.Module) -> None:
-        for name, child in list(parent.named_children()):
-            if child is None or isinstance(child, ActivationWrapper):
-                continue
-            if chosen(child):
-                setattr(parent, name, checkpoint_wrapper_fn(child))
-            else:
-                visit(child)
+    def by_check_fn(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(check_fn(module))
 
-    visit(model._checkpoint_wrapped_module if isinstance(model, ActivationWrapper) else model)
+    policy = auto_wrap_policy if auto_wrap_policy is not None else by_check_fn
+
+    def wrap(module: nn.Module, only_children: bool) -> tuple[nn.Module, int]:
+        """(the module, wrapped or not; how many of its parameters sit in wrappers)."""
+        if isinstance(module, ActivationWrapper):
+            return module, _numel(module)
+        numel = _numel(module)
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return module, 0
+        inside = 0
+        for name, child in list(module.named_children()):
+            if child is None:
+                continue
+            wrapped, count = wrap(child, only_children=False)
+            if wrapped is not child:
+                setattr(module, name, wrapped)
+            inside += count
+        if not only_children and policy(module=module, recurse=False, nonwrapped_numel=numel - inside):
+            return checkpoint_wrapper_fn(module), numel
+        return module, inside
+
+    wrap(
+        model._checkpoint_wrapped_module if isinstance(model, ActivationWrapper) else model,
+        only_children=True,
+    )

@@ -235,17 +235,43 @@ def test_applying_twice_does_not_double_wrap_and_the_root_is_never_wrapped():
     assert not isinstance(model.layers._checkpoint_wrapped_module, ActivationWrapper)
 
 
-def test_check_fn_and_auto_wrap_policy_are_both_honoured():
-    by_policy = Stack()
-    apply_activation_checkpointing(by_policy, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    assert all(isinstance(layer, CheckpointWrapper) for layer in by_policy.layers._modules.values())
-    assert not isinstance(by_policy.embed, ActivationWrapper)
-    both = Stack()
-    apply_activation_checkpointing(
-        both, check_fn=lambda m: m is not both.layers[0], auto_wrap_policy=ModuleWrapPolicy({Block})
-    )
-    kinds = [isinstance(layer, CheckpointWrapper) for layer in both.layers._modules.values()]
-    assert kinds == [False, True, True]
+def wrapper_tree(model: nn.Module) -> list[str]:
+    """The qualified names of the wrapped modules, without the wrappers' own
+    ``_checkpoint_wrapped_module`` step (leanstate's named_modules leaves it out, torch's shows it)."""
+    names = [name for name, m in model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    return [name.replace("._checkpoint_wrapped_module", "") for name in names]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "nested",  # check_fn matches a block and modules inside it: torch nests the wrappers
+        "precedence",  # a policy with check_fn: the policy decides, check_fn is ignored
+        "policy",
+    ],
+)
+def test_the_wrapper_tree_and_gradients_are_torchs(case):
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
+
+    options = {
+        "nested": {"check_fn": lambda m: isinstance(m, Block | nn.Linear)},
+        "precedence": {"check_fn": lambda m: False, "auto_wrap_policy": ModuleWrapPolicy({Block})},
+        "policy": {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential, Block})},
+    }[case]
+    torch.manual_seed(0)
+    ours, theirs = Stack(), Stack()
+    theirs.load_state_dict(ours.state_dict())
+    apply_activation_checkpointing(ours, **options)
+    torch_wrappers.apply_activation_checkpointing(theirs, **options)
+    assert wrapper_tree(ours) == wrapper_tree(theirs) and wrapper_tree(ours), wrapper_tree(theirs)
+    x = torch.randn(2, 5, D)
+    for model in (ours, theirs):
+        torch.manual_seed(1)
+        model(x).backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    apply_activation_checkpointing(ours, **options)  # again: nothing changes
+    assert wrapper_tree(ours) == wrapper_tree(theirs)
 
 
 # -- saved-tensor accounting ---------------------------------------------------------
