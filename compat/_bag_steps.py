@@ -20,7 +20,20 @@ def check_ids(ids: object) -> torch.Tensor:
     if ids.dtype != torch.int64:
         how = " (convert them with ids.to(torch.int64))" if not ids.dtype.is_floating_point else ""
         raise TypeError(f"KVEmbeddingBag: input ids must be torch.int64; got {ids.dtype}{how}")
+    _check_dense("input", ids)
     return ids
+
+
+def _check_dense(argument: str, tensor: torch.Tensor) -> None:
+    """A strided tensor with data: sparse and meta tensors hold no values to look up."""
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"KVEmbeddingBag: {argument} must be a dense tensor; got layout {tensor.layout} (use .to_dense())"
+        )
+    if tensor.is_meta:
+        raise TypeError(
+            f"KVEmbeddingBag: {argument} is a meta tensor (shape only, no values); pass real data"
+        )
 
 
 def prepare(bag, input, offsets, per_sample_weights):
@@ -50,6 +63,16 @@ def prepare(bag, input, offsets, per_sample_weights):
 def normalise(bag, input, offsets, per_sample_weights):
     """(1-D ids, int64 offsets [B], float32 weights or None) on the bag's device, every argument checked."""
     ids = check_ids(input)
+    if per_sample_weights is not None:
+        if not isinstance(per_sample_weights, torch.Tensor):
+            raise TypeError(
+                f"KVEmbeddingBag: per_sample_weights must be a tensor; got {type(per_sample_weights).__name__}"
+            )
+        if not per_sample_weights.dtype.is_floating_point:
+            raise TypeError(
+                f"KVEmbeddingBag: per_sample_weights must be a real floating tensor; got {per_sample_weights.dtype}"
+            )
+        _check_dense("per_sample_weights", per_sample_weights)
     if ids.dim() == 2:
         if offsets is not None:
             raise ValueError("KVEmbeddingBag: offsets must be None for 2-D input (each row is one bag)")
@@ -69,8 +92,18 @@ def normalise(bag, input, offsets, per_sample_weights):
                 "KVEmbeddingBag: offsets is required for 1-D input: the start of each bag, e.g. "
                 "torch.tensor([0, 2]) for bags input[0:2] and input[2:]; or pass 2-D input [B, L]"
             )
-        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype.is_floating_point:
-            raise TypeError("KVEmbeddingBag: offsets must be a 1-D integer tensor")
+        if (
+            not isinstance(offsets, torch.Tensor)
+            or offsets.dim() != 1
+            or offsets.dtype.is_floating_point
+            or offsets.dtype.is_complex
+            or offsets.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"KVEmbeddingBag: offsets must be a 1-D integer tensor; got "
+                f"{offsets.dtype if isinstance(offsets, torch.Tensor) else type(offsets).__name__}"
+            )
+        _check_dense("offsets", offsets)
     else:
         raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
     ids, offsets = ids.to(bag.device).contiguous(), offsets.to(bag.device, torch.int64)

@@ -357,3 +357,45 @@ def test_empty_inputs_keep_nn_embedding_bags_shapes():
     )
     kt = ebc(empty)
     assert kt.values().shape == (0, 11) and [kt[k].shape for k in ("a", "b", "u")] == [(0, 4), (0, 4), (0, 3)]
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (
+            lambda bag: bag(torch.tensor([[1, 2]]), per_sample_weights=[[0.5, 0.5]]),
+            "per_sample_weights must be a tensor",
+        ),
+        (
+            lambda bag: bag(torch.tensor([1, 2]).to_sparse(), torch.tensor([0])),
+            "input must be a dense tensor",
+        ),
+        (
+            lambda bag: bag(torch.empty(2, dtype=torch.int64, device="meta"), torch.tensor([0])),
+            "input is a meta tensor",
+        ),
+        (
+            lambda bag: bag(
+                torch.tensor([1, 2]), torch.tensor([0]), per_sample_weights=torch.empty(2, device="meta")
+            ),
+            "per_sample_weights is a meta tensor",
+        ),
+        (
+            lambda bag: bag(torch.tensor([1, 2]), torch.tensor([True, False])),
+            "offsets must be a 1-D integer tensor; got torch.bool",
+        ),
+        (
+            lambda bag: bag(
+                torch.tensor([1, 2]),
+                torch.tensor([0]),
+                per_sample_weights=torch.ones(2, dtype=torch.complex64),
+            ),
+            "per_sample_weights must be a real floating tensor",
+        ),
+    ],
+)
+def test_nonsense_inputs_are_named_errors(call, error):
+    bag = KVEmbeddingBag(None, 4)
+    with pytest.raises(TypeError, match=error):
+        call(bag)
+    assert len(bag.store) == 0
