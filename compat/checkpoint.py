@@ -14,10 +14,25 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from leanstate import _backends
-from leanstate.reference.checkpoint import DEFAULT_CHUNK_BYTES, Progress
+from leanstate.reference.checkpoint import (
+    DEFAULT_CHUNK_BYTES,
+    MANIFEST,
+    CheckpointError,
+    Progress,
+    parse_manifest,
+)
 from leanstate.reference.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
-from leanstate.reference.sharded_checkpoint import load_sharded, save_sharded
+from leanstate.reference.sharded_checkpoint import load_into_plain, load_sharded, save_sharded
+
+
+def _saved_across_ranks(path) -> bool:
+    """Whether ``path`` holds a version-2 checkpoint (any doubt: the plain loader decides)."""
+    try:
+        manifest = parse_manifest(Path(path) / MANIFEST)
+    except (CheckpointError, OSError, TypeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("version") == 2
 
 
 def _module(backend: str | None):
@@ -93,6 +108,12 @@ def load_checkpoint(
                 "load_checkpoint: id_range and process_group exclude each other (buckets decide)"
             )
         return load_sharded(path, tables, process_group=process_group, chunk_bytes=chunk_bytes)
+    if _saved_across_ranks(path):  # one process takes every rank's rows
+        if id_range is not None:
+            raise ValueError(
+                "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
+            )
+        return load_into_plain(path, tables, chunk_bytes=chunk_bytes)
     return _module(backend).load_checkpoint(
         path, tables, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress
     )

@@ -110,6 +110,11 @@ def targets_of(tables: Mapping[str, KVStore | KVTensor], method: str) -> list[_T
             targets.append(_Target(name, value.store, value))
         elif hasattr(value, "get_rows") and hasattr(value, "set_rows"):
             targets.append(_Target(name, value, None))
+        elif type(value).__name__ == "BucketedTable":
+            raise TypeError(
+                f"{method}: tables[{name!r}] is a sharded module's table (from checkpoint_tables() of a "
+                "ShardedKVEmbeddingBagCollection): pass process_group= (on every rank) as well"
+            )
         else:
             raise TypeError(
                 f"{method}: tables[{name!r}] must be a KVStore or KVTensor; got {type(value).__name__}"

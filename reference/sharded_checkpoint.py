@@ -272,10 +272,11 @@ def load_sharded(
     path: str | os.PathLike,
     tables: Mapping[str, BucketedTable],
     *,
-    process_group: dist.ProcessGroup,
+    process_group: dist.ProcessGroup | None,
     chunk_bytes: int = v1.DEFAULT_CHUNK_BYTES,
 ) -> dict[str, object]:
-    """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every rank.
+    """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every
+    rank (``process_group=None``: one process, which owns every id and reads every chunk).
 
     Version 2: only the chunks of buckets this rank owns are read. Version 1: every chunk
     is read and only owned rows are applied. Returns the extra state; the statistics of
@@ -285,7 +286,10 @@ def load_sharded(
     method = "load_checkpoint"
     _check_tables(tables, method)
     path = Path(path)
-    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if process_group is None:  # one process: it owns every id and reads every chunk
+        rank, world = 0, 1
+    else:
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
     # Every rank takes the same path: one pass when every store on every rank is empty
     # (a failure empties them again), else verify everywhere, agree, then apply.
@@ -328,6 +332,8 @@ def load_sharded(
 
 def _gathered(value, group) -> list:
     """``value`` from every rank of ``group``, in rank order."""
+    if group is None:
+        return [value]
     values = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
@@ -423,3 +429,19 @@ def verify_sharded(path: str | os.PathLike):
                     _read_chunk(handle, path / f["file"], i, chunk, saved, dtype)
                     yield name, f["file"], i
     v1.read_extra(path, manifest)
+
+
+def load_into_plain(path: str | os.PathLike, tables: Mapping[str, KVStore], **kwargs) -> dict[str, object]:
+    """Load a version-2 checkpoint into plain stores (or whole-row KVTensors) in one process:
+    every rank's file is read, every row applied, with the same checks and all-or-nothing."""
+    manifest = read_manifest_v2(Path(path))
+    bucketed = {}
+    for target in v1.targets_of(tables, "load_checkpoint"):
+        if target.view is not None and target.view.read_only:
+            continue  # the optimizer's view: its rows arrive inside the whole rows
+        saved = manifest["tables"].get(target.name, {}).get("bucketing") or {
+            "buckets": 1,
+            "bucket_size": None,
+        }
+        bucketed[target.name] = BucketedTable(target.store, saved["buckets"], saved["bucket_size"])
+    return load_sharded(path, bucketed, process_group=None, **kwargs)

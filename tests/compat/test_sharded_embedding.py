@@ -420,3 +420,31 @@ def test_torchrun_launch(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2 ok" in result.stdout and "rank 1 of 2 ok" in result.stdout
+
+
+def test_a_checkpoint_saved_across_ranks_loads_into_a_plain_collection(runs, folder):
+    """Version 2 (saved by 2 ranks) into one process's plain collection: every rank's file is
+    read and every row applied, as one process trained straight through would hold them."""
+    plain = KVEmbeddingBagCollection(configs(), clock=lambda: 1000)
+    extra = load_checkpoint(folder / "w2", plain.checkpoint_tables())
+    plain.load_extra_state(extra)
+    single = KVEmbeddingBagCollection(configs(), clock=lambda: 1000)
+    for step in range(3):
+        single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+    for table in ("exact", "hashed"):
+        mine, full = plain.embedding_bags[table].store, single.embedding_bags[table].store
+        assert torch.equal(mine.keys(), full.keys()), table
+        rows, want = mine.get_rows(full.keys()), full.get_rows(full.keys())
+        assert torch.equal(rows[:, :4].view(torch.int64), want[:, :4].view(torch.int64)), table
+        torch.testing.assert_close(rows[:, 4:], want[:, 4:], rtol=1e-6, atol=1e-6)
+    assert plain.extra_state() == single.extra_state()
+
+
+def test_a_sharded_modules_tables_without_process_group_say_so(runs, folder):
+    sharded_tables = {
+        "t.weight": sharded_checkpoint.BucketedTable(
+            KVEmbeddingBagCollection(configs()).embedding_bags["exact"].store, 64, 1
+        )
+    }
+    with pytest.raises(TypeError, match="sharded module's table .* pass process_group="):
+        load_checkpoint(folder / "w2", dict(sharded_tables, extra=object()))
