@@ -22,13 +22,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
 import os
 import secrets
 import shutil
+import signal
 import stat
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -860,13 +863,32 @@ def load_checkpoint(
                 for _ in read_chunks(path, target.name, table, chunks, chunk_bytes):
                     pass
     try:
-        _apply(path, manifest, plan, id_range, chunk_bytes, progress)
+        # Into stores that held rows, every chunk is verified: Ctrl-C waits for the apply to
+        # finish (a half-applied store could not be restored), then interrupts.
+        with contextlib.nullcontext() if one_pass else _interrupts_deferred():
+            _apply(path, manifest, plan, id_range, chunk_bytes, progress)
         return extra
     except BaseException:
-        if one_pass:
+        if one_pass:  # rows went into empty stores: empty them again
             for store in written:
                 store.delete(store.keys())
         raise
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold SIGINT (Ctrl-C) until the block ends, then raise ``KeyboardInterrupt``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _apply(

@@ -202,3 +202,45 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_previous_one(tmp_path):
     assert "File too large" in done.stdout or "No space" in done.stdout, done.stdout
     assert (path / "t.rows").read_bytes() == before
     assert not list(tmp_path.glob(".c.saving-*")), "the failed save left its staging directory"
+
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from leanstate import KVStore, load_checkpoint
+
+    path, mode = sys.argv[1], sys.argv[2]
+    store = KVStore(8, optimizer_state_dim=1)
+    if mode == "live":
+        store.set(torch.arange(500), torch.zeros(500, 8))  # a store that already holds rows
+    calls = []
+
+    def progress(table, done, total):
+        calls.append(done)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the apply
+
+    try:
+        load_checkpoint(path, {"t": store}, chunk_bytes=4096, progress=progress)
+        print("no interrupt")
+    except KeyboardInterrupt:
+        print("interrupted", len(store), len(calls))
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["live", "empty"])
+def test_ctrl_c_during_a_load_finishes_a_live_store_or_empties_a_fresh_one(tmp_path, mode):
+    source = KVStore(8, optimizer_state_dim=1, backend="reference")
+    source.set(torch.arange(4000), torch.ones(4000, 8))
+    path = save_checkpoint(tmp_path / "c", {"t": source}, chunk_bytes=4096)
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, str(path), mode], capture_output=True, text=True, timeout=300
+    )
+    words = done.stdout.split()
+    assert words[0] == "interrupted", done.stdout + done.stderr
+    rows, calls = int(words[1]), int(words[2])
+    if mode == "live":  # every chunk applied, then the interrupt: 4000 rows, not 500 + part
+        assert rows == 4000 and calls > 1, done.stdout
+    else:  # rows went into an empty store: emptied again
+        assert rows == 0 and calls == 1, done.stdout
