@@ -6,7 +6,8 @@ def run(*args: str, stderr: list | None = None, timeout: int = 300) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "leanstate", *args], capture_output=True, text=True, timeout=timeout
     )
-    assert done.returncode == 0, done.stderr
+    verdicts = "\n".join(line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL")))
+    assert done.returncode == 0, f"{verdicts}\n{done.stderr[-3000:]}"
     if stderr is not None:
         stderr.append(done.stderr)
     return done.stdout
