@@ -134,13 +134,14 @@ def save_sharded(
             problem = f"{type(exc).__name__}: {exc}"
     staging, problem = _agree((staging, problem), process_group)
     if problem is not None:
-        raise ValueError(f"{method}: rank 0: {problem}")
+        raise v1.CheckpointError(f"{method}: rank 0: {problem}; {path} is unchanged")
     files, problem = {}, None
     try:
         for name, table in tables.items():
-            files[name] = _write_rank_file(table, staging / f"{name}.rank{rank}.rows", chunk_bytes)
+            file = staging / f"{name}.rank{rank}.rows"
+            files[name] = _write_rank_file(table, file, chunk_bytes)
     except Exception as exc:
-        problem = f"rank {rank}: {type(exc).__name__}: {exc}"
+        problem = f"rank {rank}: writing {file.name}: {type(exc).__name__}: {exc}"
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(
         (problem, files), gathered, dst=dist.get_global_rank(process_group, 0), group=process_group
@@ -157,7 +158,7 @@ def save_sharded(
             shutil.rmtree(staging, ignore_errors=True)
     outcome = _agree(outcome, process_group)
     if outcome is not None:
-        raise OSError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
+        raise v1.CheckpointError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
     return path
 
 

@@ -304,6 +304,33 @@ def reader_rules_hold_on_every_path(rank, world, folder):
     assert all(len(t.store) == 0 for t in fresh.checkpoint_tables().values())
 
 
+def a_failed_save_names_the_failing_rank(rank, world, folder):
+    """Rank 1 cannot write (its file size limit): every rank raises a CheckpointError naming
+    rank 1 and its file, and the previous checkpoint stays."""
+    import resource
+    import signal
+
+    from leanstate import CheckpointError
+
+    sharded, single = build()
+    train_step(sharded, single, 0, rank, world)
+    path = Path(folder, "save-fails")
+    save_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    before = sorted((f.name, f.read_bytes()) for f in path.iterdir())
+    train_step(sharded, single, 1, rank, world)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+    try:
+        with pytest.raises(CheckpointError, match=r"rank 1: writing exact.weight.rank1.rows: OSError"):
+            save_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    dist.barrier()
+    assert sorted((f.name, f.read_bytes()) for f in path.iterdir()) == before
+
+
 def empty_rank_steps(rank, world, folder):
     """The last rank has an empty batch (an epoch's end): it steps with the others, no hang,
     its output has no rows and every feature's columns; the rows are what the others' batches give."""
@@ -341,6 +368,7 @@ SCENARIOS = {
     "empty-rank": empty_rank_steps,
     "bad-chunk-trained": bad_chunk_leaves_trained_stores_as_they_were,
     "reader-rules": reader_rules_hold_on_every_path,
+    "save-fails": a_failed_save_names_the_failing_rank,
 }
 RUNS = [  # in order: each later world loads what an earlier one saved
     (
