@@ -399,3 +399,10 @@ def test_nonsense_inputs_are_named_errors(call, error):
     with pytest.raises(TypeError, match=error):
         call(bag)
     assert len(bag.store) == 0
+
+
+def test_the_id_num_embeddings_is_outside_the_table():
+    bag = KVEmbeddingBag(10, 4)
+    bag(torch.tensor([9, 0]), torch.tensor([0]))  # the last id inside
+    with pytest.raises(ValueError, match=r"id 10 is outside \[0, num_embeddings=10\)"):
+        bag(torch.tensor([10]), torch.tensor([0]))

@@ -140,14 +140,22 @@ def test_count_saturates(make):
 
 def test_delete_frees_blocks_for_reuse(make):
     store = make(num_shards=1)
-    store.set(torch.arange(10), torch.ones(10, 6))
+    width = store.layout.value_width
+    store.set(torch.arange(10), torch.full((10, width), 7.0))  # weights and state: 7
     assert store.delete(torch.tensor([3, 3, 4, 50, -1])) == 2
     assert store.keys().tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
     before = store.memory_bytes()
-    store.set(torch.tensor([20, 21]), torch.ones(2, 6))
+    store.set(torch.tensor([20, 21]), torch.ones(2, 2))  # the first two weights only
     # the two freed blocks were reused: no chunk of 1024 rows was added (only map entries)
     assert store.memory_bytes() - before < 1024 * store.layout.row_bytes
-    # a re-inserted id starts from its initial row, not from the deleted values
+    # the ids in the reused blocks hold their own initial rows and fresh headers, nothing of
+    # the deleted rows (whose every column was 7)
+    fresh = make(num_shards=1)
+    fresh.set(torch.tensor([20, 21]), torch.ones(2, 2))
+    ids = torch.tensor([20, 21])
+    assert torch.equal(store.get(ids), fresh.get(ids)) and not bool((store.get(ids) == 7.0).any())
+    assert torch.equal(store.metadata(ids), fresh.metadata(ids))
+    # and a re-inserted id starts from its initial row, not from the deleted values
     assert torch.equal(store.get(torch.tensor([3])), make(num_shards=1).get(torch.tensor([3])))
 
 

@@ -459,3 +459,42 @@ def test_bucketings_are_described_in_words():
 
     assert describe_bucketing(1024, None) == "1024 interleaved buckets (id % 1024, for hashed ids)"
     assert describe_bucketing(64, 98) == "64 buckets of 98 consecutive ids (id // 98)"
+
+
+def test_every_fsync_of_the_save_protocol_happens_in_order(tmp_path, monkeypatch):
+    """Data files, extra state and manifest are fsynced, then the staging directory, and
+    after the rename the parent directory (the durability protocol of the spec)."""
+    real = os.fsync
+    synced = []
+
+    def counting(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    a, b = KVStore(4, optimizer_state_dim=1), KVStore(4)
+    a.set(torch.arange(5), torch.ones(5, 4))
+    b.set(torch.arange(3), torch.ones(3, 4))
+    for pipelined in (True, False):
+        synced.clear()
+        save_checkpoint(tmp_path / "c", {"a": a, "b": b}, extra={"step": 1}, pipelined=pipelined)
+        names = [Path(p).name for p in synced]
+        assert sorted(names[:3]) == ["a.rows", "b.rows", "extra.pt"], names
+        assert names[3] == "manifest.json" and names[4].startswith(".c.saving-"), names
+        assert synced[5] == str(tmp_path) and len(synced) == 6, synced
+
+
+def test_duplicate_ids_inside_one_chunk_are_refused(tmp_path):
+    store = KVStore(4)
+    store.set(torch.arange(10), torch.ones(10, 4))
+    path = save_checkpoint(tmp_path / "c", {"t": store})
+    manifest = json.loads((path / "manifest.json").read_text())
+    table = manifest["tables"]["t"]
+    data = bytearray((path / "t.rows").read_bytes())
+    row = table["row_bytes"]
+    data[row : 2 * row] = data[:row]  # ids 0, 0, 2, ...: non-descending, not strictly ascending
+    (path / "t.rows").write_bytes(bytes(data))
+    table["chunks"][0]["crc"] = crc32c.crc32c(bytes(data))
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="ids do not ascend"):
+        load_checkpoint(path, {"t": KVStore(4)})

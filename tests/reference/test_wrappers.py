@@ -467,3 +467,14 @@ def test_the_first_unpack_prefetches_every_storage_of_that_forward(host_as_devic
     assert model.pool.in_use_bytes == 0  # every buffer back in the pool once the graph is gone
     ours = {n: p.grad for n, p in model.named_parameters()}
     assert all(torch.equal(ours[n], g) for n, g in grads(plain, x)[2].items())
+
+
+def test_size_classes_are_exact_for_powers_of_two():
+    assert [size_class(n) for n in (1, 4096, 4097, 8192, 8193, 2**20)] == [
+        4096,
+        4096,
+        8192,
+        8192,
+        16384,
+        2**20,
+    ]
