@@ -406,3 +406,28 @@ def test_the_id_num_embeddings_is_outside_the_table():
     bag(torch.tensor([9, 0]), torch.tensor([0]))  # the last id inside
     with pytest.raises(ValueError, match=r"id 10 is outside \[0, num_embeddings=10\)"):
         bag(torch.tensor([10]), torch.tensor([0]))
+
+
+def test_each_feature_pools_with_its_own_weights():
+    """Weights are sliced per feature at that feature's own offset, in every table."""
+    from leanstate import KeyedJaggedTensor, KVEmbeddingBagCollection, KVTableConfig
+
+    ebc = KVEmbeddingBagCollection(
+        [KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3, feature_names=["c"])]
+    )
+    keys = ["a", "b", "c"]
+    values = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    lengths = torch.tensor([2, 1, 1, 0, 2, 1])  # two samples per feature
+    weights = torch.tensor([0.5, 2.0, -1.0, 3.0, 0.25, 4.0, 1.5])
+    rows = {
+        name: bag.store.get(torch.arange(8), width=bag.embedding_dim).float()
+        for name, bag in ebc.embedding_bags.items()
+    }
+    out = ebc(KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths))
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    for k, (key, table) in enumerate(zip(keys, ["t", "t", "u"], strict=True)):
+        for sample in range(2):
+            bag = 2 * k + sample
+            ids, w = values[starts[bag] : starts[bag + 1]], weights[starts[bag] : starts[bag + 1]]
+            want = (rows[table][ids] * w[:, None]).sum(0)
+            torch.testing.assert_close(out[key][sample], want, rtol=1e-6, atol=1e-6, msg=f"{key}[{sample}]")

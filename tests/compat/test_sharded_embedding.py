@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leanstate import (
+    CheckpointError,
     KeyedJaggedTensor,
     KVEmbeddingBagCollection,
     KVTableConfig,
@@ -476,3 +478,27 @@ def test_a_sharded_modules_tables_without_process_group_say_so(runs, folder):
     }
     with pytest.raises(TypeError, match="sharded module's table .* pass process_group="):
         load_checkpoint(folder / "w2", dict(sharded_tables, extra=object()))
+
+
+def test_a_corrupt_or_missing_extra_state_of_version_2_is_bad(runs, folder, tmp_path, capsys):
+    from leanstate.__main__ import main
+
+    for fault in ("corrupt", "missing"):
+        copy = tmp_path / fault
+        shutil.copytree(folder / "w2", copy)
+        extra = copy / "extra.pt"
+        if fault == "corrupt":
+            data = bytearray(extra.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            extra.write_bytes(bytes(data))
+        else:
+            extra.unlink()
+        assert main(["inspect", str(copy)]) == 1
+        out = capsys.readouterr().out
+        assert (
+            "extra state verified" not in out
+            and sum(line.startswith("BAD") for line in out.splitlines()) == 1
+        )
+        assert "extra.pt" in out, out
+        with pytest.raises(CheckpointError, match="extra"):
+            load_checkpoint(copy, KVEmbeddingBagCollection(configs()).checkpoint_tables())
