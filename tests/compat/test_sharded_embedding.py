@@ -10,6 +10,7 @@ Checkpoints are saved at one world size and loaded at another, in the order
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -333,6 +334,39 @@ def a_failed_save_names_the_failing_rank(rank, world, folder):
     assert sorted((f.name, f.read_bytes()) for f in path.iterdir()) == before
 
 
+def weighted(batch: KeyedJaggedTensor, step: int) -> KeyedJaggedTensor:
+    """The global ``batch`` with a per-sample weight in [0.5, 1.5) for each id position."""
+    weights = torch.rand(len(batch.values()), generator=torch.Generator().manual_seed(500 + step)) + 0.5
+    return KeyedJaggedTensor(KEYS, batch.values(), weights=weights, lengths=batch.lengths())
+
+
+def weighted_training_matches_one_process(rank, world, folder):
+    """Per-sample weights reach the forward and the backward of the exchange (the owners'
+    gradients are weighted), as one process on the weighted global batch."""
+    tables = [dataclasses.replace(c, pooling="sum") for c in configs()]  # weights need sum pooling
+    sharded = ShardedKVEmbeddingBagCollection(tables, clock=lambda: 1000)
+    single = KVEmbeddingBagCollection(tables, clock=lambda: 1000)
+    per_key = G // world
+    for step in range(3):
+        full = weighted(global_batch(step), step)
+        # this rank's slice of the global weights: per key, its samples' positions
+        local = local_batch(step, rank, world)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), full.lengths().cumsum(0)])
+        parts = [
+            full.weights_or_none()[starts[k * G + rank * per_key] : starts[k * G + (rank + 1) * per_key]]
+            for k in range(len(KEYS))
+        ]
+        local = KeyedJaggedTensor(KEYS, local.values(), weights=torch.cat(parts), lengths=local.lengths())
+        grad = upstream(step)
+        out = sharded(local)
+        (out.values() * grad[rank * per_key : (rank + 1) * per_key]).sum().backward()
+        want = single(full)
+        (want.values() * grad).sum().backward()
+        mine = want.values().detach()[rank * per_key : (rank + 1) * per_key]
+        torch.testing.assert_close(out.values().detach(), mine, rtol=1e-6, atol=1e-6)
+    assert_rows_match(sharded, single, rank, world)
+
+
 def empty_rank_steps(rank, world, folder):
     """The last rank has an empty batch (an epoch's end): it steps with the others, no hang,
     its output has no rows and every feature's columns; the rows are what the others' batches give."""
@@ -371,6 +405,7 @@ SCENARIOS = {
     "bad-chunk-trained": bad_chunk_leaves_trained_stores_as_they_were,
     "reader-rules": reader_rules_hold_on_every_path,
     "save-fails": a_failed_save_names_the_failing_rank,
+    "weighted": weighted_training_matches_one_process,
 }
 RUNS = [  # in order: each later world loads what an earlier one saved
     (
