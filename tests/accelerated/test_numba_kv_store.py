@@ -98,3 +98,46 @@ def test_memory_is_the_pool_and_a_half_full_table():
     table = 16384 * 12  # the first power of two at most half full, 12 bytes a slot
     assert store.memory_bytes() == pool + table + 16 * 4  # and the 16-slot free list
     assert store.memory_bytes() <= 1.1 * rows
+
+
+class _RecordingLock:
+    """The engine's own readers-writer lock, recording which side each call takes."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.taken = lock, []
+
+    def reading(self):
+        self.taken.append("read")
+        return self.lock.reading()
+
+    def writing(self):
+        self.taken.append("write")
+        return self.lock.writing()
+
+
+def test_every_write_takes_the_write_lock_and_every_read_the_read_lock():
+    store = KVStore(6, optimizer_state_dim=2, backend="numba")
+    store.set(torch.arange(10), torch.ones(10, 6))
+    spy = _RecordingLock(store.engine.lock)
+    ids = torch.tensor([1, 2, 30])
+    rows = store.get_rows(ids)
+    store.engine.lock = spy
+    writes = {
+        "partial-column set": lambda: store.set(ids, torch.ones(3, 2), width_offset=6),
+        "full set": lambda: store.set(ids, torch.ones(3, 6)),
+        "set_rows": lambda: store.set_rows(rows),
+        "delete": lambda: store.delete(torch.tensor([30])),
+        "evict": lambda: store.evict(max_rows=8),
+    }
+    reads = {
+        "get": lambda: store.get(ids),
+        "partial get": lambda: store.get(ids, width_offset=6, width=2),
+        "get_rows": lambda: store.get_rows(ids),
+        "contains": lambda: store.contains(ids),
+        "keys": lambda: store.keys(),
+    }
+    for name, call in {**writes, **reads}.items():
+        spy.taken.clear()
+        call()
+        want = "write" if name in writes else "read"
+        assert spy.taken and set(spy.taken) == {want}, (name, spy.taken)

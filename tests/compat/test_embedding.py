@@ -317,3 +317,30 @@ def test_per_sample_weights_get_nn_embedding_bags_gradient(backend, two_d):
     torch.testing.assert_close(weights.grad, theirs.grad, rtol=1e-6, atol=1e-6)
     assert float(weights.grad.reshape(-1)[4]) == 0.0  # the padding id
     assert bag.optimizer_step == 1  # and the rows were still updated
+
+
+@pytest.mark.parametrize("backend", sorted(__import__("leanstate")._backends.available("embedding")))
+def test_the_backward_stamps_the_optimizer_state_rows_headers(backend):
+    """Without offloading, the state store's rows get the same stamps as the reference's."""
+    clock = FakeClock(900)
+    bags = {
+        name: KVEmbeddingBag(
+            None,
+            4,
+            optimizer="rowwise_adagrad",
+            optimizer_offloading=False,
+            return_whole_row=False,
+            backend=name,
+            clock=clock,
+        )  # fmt: skip
+        for name in ("reference", backend)
+    }
+    for step in range(2):
+        clock.now = 900 + 10 * step
+        for bag in bags.values():
+            bag(torch.tensor([5, 7, 5]), torch.tensor([0, 2])).sum().backward()
+    ids = torch.tensor([5, 7, 9])
+    want, got = (bags[n].state_store.metadata(ids) for n in ("reference", backend))
+    assert torch.equal(got, want), (got, want)
+    stamp, count, used = unpack_metadata(got)
+    assert used.tolist() == [True, True, False] and bool((count[:2] > 0).all())
