@@ -61,21 +61,29 @@ def test_large_random_workload_matches_the_reference():
 
 
 def test_concurrent_sets_lose_no_update():
+    """Four writers on disjoint columns of the same (and of new) ids: every count and every
+    writer's last value must survive (identical values would hide a lost update)."""
     store = KVStore(4, num_shards=4, backend="numba")
     ids = torch.arange(256)
     rounds = 50
 
-    def work():
-        for _ in range(rounds):
-            store.set(ids, torch.ones(256, 4))
+    def work(writer: int):
+        fresh = torch.arange(1000 + 100 * writer, 1000 + 100 * writer + 100)  # inserts race too
+        for r in range(rounds):
+            store.set(ids, torch.full((256, 1), float(writer * 1000 + r)), width_offset=writer)
+            store.set(fresh, torch.full((100, 4), float(r)))
             store.get(ids)
 
-    workers = [threading.Thread(target=work) for _ in range(4)]
+    workers = [threading.Thread(target=work, args=(w,)) for w in range(4)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     assert unpack_metadata(store.metadata(ids))[1].tolist() == [4 * rounds] * 256
+    want = torch.tensor([[w * 1000 + rounds - 1.0 for w in range(4)]]).expand(256, 4)
+    assert torch.equal(store.get(ids, width=4), want)
+    assert len(store) == 256 + 400
+    assert torch.equal(store.get(torch.arange(1000, 1400)), torch.full((400, 4), rounds - 1.0))
 
 
 def test_checkpoint_round_trip_between_backends(tmp_path):
