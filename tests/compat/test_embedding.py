@@ -342,5 +342,8 @@ def test_the_backward_stamps_the_optimizer_state_rows_headers(backend):
     ids = torch.tensor([5, 7, 9])
     want, got = (bags[n].state_store.metadata(ids) for n in ("reference", backend))
     assert torch.equal(got, want), (got, want)
+    for part in ("store", "state_store"):  # the weights and the separate state, updated alike
+        mine, theirs = (getattr(bags[n], part).get(ids) for n in (backend, "reference"))
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=part)
     stamp, count, used = unpack_metadata(got)
     assert used.tolist() == [True, True, False] and bool((count[:2] > 0).all())
