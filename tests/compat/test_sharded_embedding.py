@@ -259,30 +259,32 @@ def failed_load_changes_nothing(rank, world, folder):
 
 
 def bad_chunk_leaves_trained_stores_as_they_were(rank, world, folder):
-    """A flipped byte in a chunk rank 0 owns: every rank raises, and no rank's trained store
-    changes (every rank verifies, the ranks agree, and only then does any apply)."""
+    """A flipped byte in a chunk of any rank's file: every rank raises, and no rank's trained
+    store changes (every rank verifies, the ranks agree, and only then does any apply)."""
     sharded, single = build()
     for step in range(2):
         train_step(sharded, single, step, rank, world)
-    path = Path(folder, f"bad-v2-{world}")
-    save_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD, chunk_bytes=4 * 48)
-    train_step(sharded, single, 2, rank, world)  # the stores move on past the checkpoint
-    if rank == 0:
-        file = path / "exact.weight.rank0.rows"
-        data = bytearray(file.read_bytes())
-        data[20] ^= 0x01  # a weight byte of the first chunk, which rank 0 owns
-        file.write_bytes(bytes(data))
-    dist.barrier()
-    before = {
-        t: sharded.embedding_bags[t].store.get_rows(sharded.embedding_bags[t].store.keys())
-        for t in ("exact", "hashed")
-    }
-    with pytest.raises(Exception, match=r"rank 0: .*exact.weight.rank0.rows chunk 0: checksum mismatch"):
-        load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
-    for table, rows in before.items():
-        store = sharded.embedding_bags[table].store
-        after = store.get_rows(store.keys())
-        assert torch.equal(after.view(torch.uint8), rows.view(torch.uint8)), f"{table} changed on rank {rank}"
+    for bad in range(world):
+        path = Path(folder, f"bad-v2-{world}-{bad}")
+        save_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD, chunk_bytes=4 * 48)
+        if rank == 0:
+            file = path / f"exact.weight.rank{bad}.rows"
+            data = bytearray(file.read_bytes())
+            data[20] ^= 0x01  # a weight byte of that rank's first chunk
+            file.write_bytes(bytes(data))
+        dist.barrier()
+        train_step(sharded, single, 2 + bad, rank, world)  # the stores move on past the checkpoint
+        before = {t: sharded.embedding_bags[t].store for t in ("exact", "hashed")}
+        before = {t: s.get_rows(s.keys()).clone() for t, s in before.items()}
+        pattern = rf"rank \d: .*exact.weight.rank{bad}.rows chunk 0: checksum mismatch"
+        with pytest.raises(Exception, match=pattern):
+            load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+        for table, rows in before.items():
+            store = sharded.embedding_bags[table].store
+            after = store.get_rows(store.keys())
+            assert torch.equal(after.view(torch.uint8), rows.view(torch.uint8)), (
+                f"{table} changed on rank {rank}"
+            )
 
 
 def reader_rules_hold_on_every_path(rank, world, folder):
