@@ -230,15 +230,18 @@ class KVStoreEngine:
 
     # -- the pool --------------------------------------------------------------------
 
-    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """Blocks for distinct absent keys, holding their initial rows and header (key, used)."""
+    def _insert(self, keys: torch.Tensor, *, initial: bool = True) -> torch.Tensor:
+        """Blocks for distinct absent keys, holding their initial rows and header (key, used);
+        ``initial=False``: the caller overwrites the whole rows at once (``set_rows``), so the
+        initial weights (a dozen ``[n, dim]`` int64 temporaries) are not computed."""
         self._fit_table(self._rows + len(keys))
         blocks = self._pool.allocate(len(keys))
         self._place(keys, blocks)
         self._rows += len(keys)
-        rows = self.initial_rows(keys)
-        header_words(rows)[:, 1] = _USED
-        self.rows.index_copy_(0, blocks, rows)
+        if initial:
+            rows = self.initial_rows(keys)
+            header_words(rows)[:, 1] = _USED
+            self.rows.index_copy_(0, blocks, rows)
         return blocks
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -326,12 +329,12 @@ class KVStoreEngine:
 
     # -- writes ----------------------------------------------------------------------
 
-    def _blocks_for(self, unique: torch.Tensor) -> torch.Tensor:
-        """Blocks of distinct non-negative ids, inserting the absent ones."""
+    def _blocks_for(self, unique: torch.Tensor, *, initial: bool = True) -> torch.Tensor:
+        """Blocks of distinct non-negative ids, inserting the absent ones (``_insert``'s ``initial``)."""
         blocks = self._lookup(unique)
         missing = torch.nonzero(blocks < 0).flatten()
         if len(missing):
-            blocks[missing] = self._insert(unique[missing])
+            blocks[missing] = self._insert(unique[missing], initial=initial)
         return blocks
 
     def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
@@ -351,7 +354,7 @@ class KVStoreEngine:
         rows = rows.to(self.device)
         unique, last, _ = last_occurrences(header_words(rows)[:, 0])
         with self.lock:
-            blocks = self._blocks_for(unique)
+            blocks = self._blocks_for(unique, initial=False)  # every inserted row is written below
             chosen = rows.index_select(0, last)  # a copy: the caller's rows stay as they were
             header_words(chosen)[:, 1] |= _USED
             self.rows.index_copy_(0, blocks, chosen)
