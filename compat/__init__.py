@@ -31,6 +31,7 @@ from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout
+from leanstate.reference.sharded_checkpoint import last_load_stats
 from leanstate.reference.sharding import bucket_owner
 from leanstate.reference.wrappers import (
     ActivationWrapper,
@@ -71,6 +72,7 @@ __all__ = [
     "bucket_owner",
     "checkpoint_wrapper",
     "load_checkpoint",
+    "last_load_stats",
     "load_legacy_checkpoint",
     "offload_wrapper",
     "ZeroRedundancyOptimizer",

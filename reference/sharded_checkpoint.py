@@ -313,6 +313,7 @@ def load_sharded(
             stats = dict.fromkeys(stats, 0)
     except Exception as exc:
         problem = f"rank {rank}: {exc}"
+    _record(stats)  # also when the load fails: what this rank read before it did
     _raise_if_any(_gathered(problem, process_group), method, undo=None, outcome="nothing was applied")
     try:
         for name, table, saved in plan:
@@ -320,15 +321,19 @@ def load_sharded(
         problem = None
     except Exception as exc:
         problem = f"rank {rank}: {exc}"
+    _record(stats)
     _raise_if_any(
         _gathered(problem, process_group),
         method,
         undo=tables.values() if empty else None,
         outcome="the stores were emptied again" if empty else "verified rows were being applied",
     )
+    return extra
+
+
+def _record(stats: dict[str, int]) -> None:
     last_load_stats.clear()
     last_load_stats.update(stats)
-    return extra
 
 
 def _gathered(value, group) -> list:
@@ -350,7 +355,8 @@ def _raise_if_any(problems: list, method: str, *, undo, outcome: str) -> None:
 
 
 last_load_stats: dict[str, int] = {}
-"""This process's statistics of its last ``load_sharded``: bytes and chunks read, rows loaded."""
+"""This process's statistics of its last ``load_sharded``, failed or not: bytes and chunks
+read, rows loaded (``leanstate.last_load_stats`` is this same dict)."""
 
 
 def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:

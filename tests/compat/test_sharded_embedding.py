@@ -279,6 +279,10 @@ def bad_chunk_leaves_trained_stores_as_they_were(rank, world, folder):
         pattern = rf"rank \d: .*exact.weight.rank{bad}.rows chunk 0: checksum mismatch"
         with pytest.raises(Exception, match=pattern):
             load_checkpoint(path, sharded.checkpoint_tables(), process_group=dist.group.WORLD)
+        import leanstate
+
+        stats = leanstate.last_load_stats  # also after a failed load: what was read, nothing applied
+        assert stats is sharded_checkpoint.last_load_stats and stats["rows_loaded"] == 0, stats
         for table, rows in before.items():
             store = sharded.embedding_bags[table].store
             after = store.get_rows(store.keys())
