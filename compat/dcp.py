@@ -1093,27 +1093,10 @@ def save(
     return path
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(staging: Path, path: Path) -> None:
     """Rename the fsynced ``staging`` to ``path``; the old checkpoint waits aside until then."""
-    _fsync_dir(staging)
     previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
-    if path.exists():
-        os.rename(path, previous)
-    try:
-        os.rename(staging, path)
-    except BaseException:
-        if previous.exists():
-            os.rename(previous, path)
-        raise
-    _fsync_dir(path.parent)
+    native.replace_directory(staging, path, previous)
     if previous.exists():
         (previous / ".metadata").unlink(missing_ok=True)  # first: a half-deleted copy never looks whole
         shutil.rmtree(previous, ignore_errors=True)
@@ -1209,7 +1192,7 @@ class _FileSink:
         return torch.empty(0, dtype=torch.int64)
 
     def get_rows(self, ids):
-        raise NotImplementedError("a conversion sink is written, not read")
+        raise TypeError("convert: a conversion sink is written, not read")
 
     def delete(self, ids) -> None:
         """Nothing to undo: a failed conversion removes the whole staging directory."""

@@ -375,6 +375,12 @@ def publish(staging: Path, manifest: dict, path: Path, previous: Path) -> None:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    replace_directory(staging, path, previous)
+
+
+def replace_directory(staging: Path, path: Path, previous: Path) -> None:
+    """fsync the complete ``staging`` directory and rename it to ``path``; an old ``path``
+    waits at ``previous`` until the rename is done (and comes back if it fails)."""
     _fsync_dir(staging)
     if path.exists():
         os.rename(path, previous)
