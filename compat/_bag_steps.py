@@ -297,11 +297,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, bags: Mapping[str, nn.Module]) -> None:
-        self._bags = dict(bags)
-        groups = [_TableGroup(name, bag) for name, bag in self._bags.items()]
-        super().__init__(groups, {})
+        bags = dict(bags)
+        super().__init__([_TableGroup(name, bag) for name, bag in bags.items()], {})
         # Optimizer.__init__ copies each group into a plain dict: put the live ones back
-        self.param_groups = [_TableGroup(g["table"], self._bags[g["table"]], g) for g in self.param_groups]
+        self.param_groups = [_TableGroup(g["table"], bags[g["table"]], g) for g in self.param_groups]
 
     def step(self, closure=None):
         """Nothing to do (the update happened in backward); calls ``closure`` if given."""
