@@ -34,14 +34,19 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
+from leanstate.accelerated import _host_buffers
 from leanstate.reference.hashing import INIT_BITS
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
@@ -53,6 +58,7 @@ _COUNT_MAX = np.int64(COUNT_MAX)
 _U64 = np.uint64
 POOL_STEP_ROWS = 1024
 _HUGE_PAGE_RESERVE_BYTES = 64 * 2**20
+_HEADROOM_DIVISOR = 32  # rows faulted in ahead of need: at most 1/32 of the pool (memory)
 _MIN_SLOTS = 16
 
 DEVICES = ("cpu",)
@@ -123,6 +129,48 @@ def _lookup(table_keys, table_blocks, ids):
     return out
 
 
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Ask the CPU to start loading ``array.flat[index]``'s cache line (a hint: no effect on results)."""
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        data = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, data, [args[1]], wraparound=False)
+        byte_pointer = ir.IntType(8).as_pointer()
+        int32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
+            "llvm.prefetch.p0",
+        )
+        # read, keep in every cache level, data cache
+        builder.call(
+            function,
+            [
+                builder.bitcast(pointer, byte_pointer),
+                ir.Constant(int32, 0),
+                ir.Constant(int32, 3),
+                ir.Constant(int32, 1),
+            ],
+        )
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+_GATHER_CHUNK = 1024  # ids per task of the parallel gather
+_AHEAD = 8  # ids between a probe and the copy of its row (measured best of 4..32 at 1M rows)
+
+
+@njit(nogil=True, cache=True)
+def _prefetch_home(table_keys, table_blocks, key, mask):
+    if key >= 0:
+        s = _home(key, mask)
+        _prefetch(table_keys, s)
+        _prefetch(table_blocks, s)
+
+
 @njit(nogil=True, cache=True)
 def _place(table_keys, table_blocks, key, block):
     """Put an absent key in the first free or dead slot of its probe path; True if dead."""
@@ -155,7 +203,14 @@ def _insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, hande
     """
     inserted = 0
     reused = 0
+    mask = table_keys.shape[0] - 1
+    for i in range(min(ids.shape[0], _AHEAD)):
+        if blocks[i] == -1:
+            _prefetch_home(table_keys, table_blocks, ids[i], mask)
     for i in range(ids.shape[0]):
+        # the table is far bigger than the caches: start loading a later id's slot now
+        if i + _AHEAD < ids.shape[0] and blocks[i + _AHEAD] == -1:
+            _prefetch_home(table_keys, table_blocks, ids[i + _AHEAD], mask)
         if blocks[i] != -1:
             continue
         block = _probe(table_keys, table_blocks, ids[i])
@@ -191,15 +246,48 @@ def _init_fresh(words, ids, blocks, fresh):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _gather(elems, blocks, start, out):
-    """``out[i] = row(blocks[i])[start:start + width]``, zeros where the block is < 0."""
+def _lookup_gather(table_keys, table_blocks, elems, ids, start, out, blocks):
+    """``blocks[i]`` = block of ``ids[i]`` (as ``_lookup``) and ``out[i]`` = its columns
+    ``[start, start + width)`` (zeros where the block is < 0).
+
+    A software pipeline per chunk of ids: the table slots of id ``i + 2 * _AHEAD`` and the
+    row of id ``i + _AHEAD`` are prefetched while row ``i`` is copied, so the random reads
+    of the table and the pool overlap instead of waiting one after another (measured at
+    1M rows: 3.1 ms instead of 4.7 ms for 65,536 ids).
+    """
+    n = ids.shape[0]
     width = out.shape[1]
-    for i in prange(blocks.shape[0]):
-        b = blocks[i]
-        if b >= 0:
-            out[i, :] = elems[b, start : start + width]
-        else:
-            out[i, :] = 0
+    row_elems = elems.shape[1]
+    flat = elems.reshape(-1)
+    mask = table_keys.shape[0] - 1
+    line = 64 // elems.itemsize  # elements per 64-byte cache line
+    lines = (width + line - 1) // line
+    for chunk in prange((n + _GATHER_CHUNK - 1) // _GATHER_CHUNK):
+        lo = chunk * _GATHER_CHUNK
+        hi = min(n, lo + _GATHER_CHUNK)
+        for i in range(lo, min(hi, lo + 2 * _AHEAD)):
+            _prefetch_home(table_keys, table_blocks, ids[i], mask)
+        for i in range(lo, min(hi, lo + _AHEAD)):
+            b = _probe(table_keys, table_blocks, ids[i])
+            blocks[i] = b
+            if b >= 0:
+                for k in range(lines):
+                    _prefetch(flat, b * row_elems + start + k * line)
+        for i in range(lo, hi):
+            if i + 2 * _AHEAD < hi:
+                _prefetch_home(table_keys, table_blocks, ids[i + 2 * _AHEAD], mask)
+            ahead = i + _AHEAD
+            if ahead < hi:
+                b = _probe(table_keys, table_blocks, ids[ahead])
+                blocks[ahead] = b
+                if b >= 0:
+                    for k in range(lines):
+                        _prefetch(flat, b * row_elems + start + k * line)
+            b = blocks[i]
+            if b >= 0:
+                out[i, :] = elems[b, start : start + width]
+            else:
+                out[i, :] = 0
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -345,6 +433,36 @@ class _ReadersWriterLock:
                 self._cond.notify_all()
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+@njit(nogil=True, cache=True)
+def _touch_pages(pages):
+    for i in range(0, pages.shape[0], _PAGE):
+        pages[i] = 0
+
+
+def _populate(pool: mmap.mmap, first: int, last: int | None = None, *, touch: bool = False) -> None:
+    """Fault in bytes ``[first, last)`` of ``pool`` (default: to its end); no byte changes.
+
+    The kernel call only maps pages. Without it (Linux before 5.14), ``touch`` writes a
+    zero into each page wholly inside the range: only for pages no row uses yet, and
+    only under the write lock. Both release the GIL.
+    """
+    last = len(pool) if last is None else min(last, len(pool))
+    if last <= first:
+        return
+    address = torch.frombuffer(pool, dtype=torch.uint8).data_ptr()
+    start = first - first % _PAGE
+    if _libc.madvise(address + start, last - start, _MADV_POPULATE_WRITE) != 0 and touch:
+        start = -(-first // _PAGE) * _PAGE
+        if start < last:
+            _touch_pages(np.frombuffer(pool, dtype=np.uint8, count=last - start, offset=start))
+
+
 _ELEMENT_VIEW = {4: torch.int32, 2: torch.int16}
 
 
@@ -397,6 +515,8 @@ class KVStoreEngine:
         self._map = mmap.mmap(
             -1, POOL_STEP_ROWS * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         )
+        self._prefault: threading.Thread | None = None
+        self._faulted_to = 0  # pool bytes below this were handed out or faulted in ahead
         self._view_pool()
 
     def _view_pool(self) -> None:
@@ -416,34 +536,60 @@ class KVStoreEngine:
 
     # -- capacity (under the write lock) -------------------------------------------
 
-    def _reserve(self, new: int) -> None:
-        """Room for ``new`` more keys: table at most half full, pool rows mapped."""
+    def _reserve(self, new: int, *, ahead: bool = True) -> None:
+        """Room for ``new`` more keys: table at most half full, pool rows mapped.
+
+        ``ahead``: when the pool must grow, also map up to ``new`` more rows (at most 1/32 of
+        the pool, and none below 32 steps of rows) and fault them in on a background thread, so the next insert of that
+        size finds its pages ready instead of faulting them on its own path (page faults
+        are the cost of an insert: 12 ms of a 17 ms insert of 65,536 rows of 544 bytes).
+        """
         if 2 * (self.size + self.dead + new) > len(self.table_keys):
             capacity = _MIN_SLOTS
             while 2 * (self.size + new) > capacity:
                 capacity *= 2
             self.table_keys, self.table_blocks = _rebuild(self.table_keys, self.table_blocks, capacity)
             self.dead = 0
+        row_bytes = self.layout.row_bytes
         rows_needed = self.handed_out + max(0, new - self.free_top)
-        rows_mapped = len(self._map) // self.layout.row_bytes
+        rows_mapped = len(self._map) // row_bytes
+        headroom = min(new, rows_mapped // _HEADROOM_DIVISOR) if ahead else 0
+        if headroom < POOL_STEP_ROWS:  # a small pool faults in cheaply: grow it by need only
+            headroom = 0
         if rows_needed > rows_mapped:
-            rows = -(-rows_needed // POOL_STEP_ROWS) * POOL_STEP_ROWS
+            rows = -(-(rows_needed + headroom) // POOL_STEP_ROWS) * POOL_STEP_ROWS
+            self._finish_prefault()  # no thread may touch the pages a resize can move
             del self.pool, self.words, self.elems  # no view may outlive a resize
-            self._map.resize(rows * self.layout.row_bytes)
+            self._map.resize(rows * row_bytes)
             self._view_pool()
+            if headroom:
+                first = max(self._faulted_to, rows_needed * row_bytes)
+                self._prefault = threading.Thread(target=_populate, args=(self._map, first), daemon=True)
+                self._prefault.start()
+                self._faulted_to = len(self._map)
+
+    def _finish_prefault(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
+            self._prefault = None
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` more rows now: one table rebuild, the pool mapped (not touched).
+        """Room for ``rows`` more rows now: one table rebuild, and the pool rows mapped and
+        faulted in, so the inserts that follow write to memory that is already there.
 
         A bulk reservation (64 MiB of rows or more, as a checkpoint load makes) also asks
         for huge pages: the pool is then filled in 2 MiB faults instead of 4 KiB ones
-        (measured: a 1M-row load 0.21 s instead of 0.40 s). Ordinary inserts keep small
-        pages, which fault faster in small steps (65,536 new rows: 19 ms instead of 79 ms).
+        (measured: a 1M-row load 0.21 s instead of 0.40 s).
         """
         with self.lock.writing():
-            self._reserve(max(0, rows))
+            self._reserve(max(0, rows), ahead=False)
             if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
+            self._finish_prefault()
+            first = self.handed_out * self.layout.row_bytes
+            last = first + max(0, rows - self.free_top) * self.layout.row_bytes
+            _populate(self._map, first, last, touch=True)
+            self._faulted_to = max(self._faulted_to, last)
 
     # -- helpers -------------------------------------------------------------------
 
@@ -509,10 +655,12 @@ class KVStoreEngine:
         self, ids: torch.Tensor, *, start: int, width: int, initial: bool, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         if out is None:
-            out = torch.empty(len(ids), width, dtype=self.layout.dtype)
+            out = _host_buffers.empty((len(ids), width), self.layout.dtype)
         with self.lock.reading():
-            blocks = _lookup(self.table_keys, self.table_blocks, ids.numpy())
-            _gather(self.elems, blocks, start, as_elements(out))
+            blocks = np.empty(len(ids), dtype=np.int64)
+            _lookup_gather(
+                self.table_keys, self.table_blocks, self.elems, ids.numpy(), start, as_elements(out), blocks
+            )
         if initial and width:
             missing = torch.from_numpy(np.flatnonzero(blocks == -1))
             if len(missing):

@@ -108,6 +108,45 @@ def test_memory_is_the_pool_and_a_half_full_table():
     assert store.memory_bytes() <= 1.1 * rows
 
 
+def _resident_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_reserve_faults_the_rows_in_and_the_inserts_that_follow_stay_in_place():
+    store = KVStore(128, optimizer_state_dim=1, backend="numba")
+    store.set(torch.arange(10), torch.ones(10, 128))
+    rows = 40_000  # 21 MiB of rows: below the huge-page threshold
+    before = _resident_bytes()
+    store.reserve(rows)
+    assert _resident_bytes() - before >= 0.9 * rows * store.layout.row_bytes
+    pool, size = store.engine.rows.data_ptr(), store.memory_bytes()
+    for start in range(10, rows, 10_000):  # no remap and no growth: the rows were there
+        store.set(torch.arange(start, start + 10_000), torch.full((10_000, 128), 2.0))
+    assert store.engine.rows.data_ptr() == pool and store.memory_bytes() == size
+    assert torch.equal(store.get(torch.tensor([0, 9]), width=128), torch.ones(2, 128))
+    assert torch.equal(store.get(torch.tensor([10, rows - 1]), width=128), torch.full((2, 128), 2.0))
+
+
+def test_rows_faulted_in_ahead_are_bounded_and_change_no_result():
+    stores = [KVStore(8, optimizer_state_dim=1, backend=b) for b in ("numba", "reference")]
+    batch = 8192
+    for start in range(0, 40 * 1024 + 8 * batch, batch):
+        ids = torch.arange(start, start + batch)
+        for store in stores:
+            store.set(ids, torch.full((batch, 8), float(start)))
+    numba, reference = stores
+    keys = reference.keys()
+    assert torch.equal(numba.keys(), keys) and torch.equal(numba.get_rows(keys), reference.get_rows(keys))
+    engine = numba.engine
+    engine._finish_prefault()
+    mapped_rows = len(engine._map) // numba.layout.row_bytes
+    # at most 1/32 of the pool beyond need (and the rounding to a step of 1024 rows)
+    assert engine.handed_out < mapped_rows <= engine.handed_out * (1 + 1 / 32) + 1024
+
+
 class _RecordingLock:
     """The engine's own readers-writer lock, recording which side each call takes."""
 
