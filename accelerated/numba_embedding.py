@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from leanstate.accelerated.numba_kv_store import KVStoreEngine
+from leanstate.accelerated.numba_kv_store import KVStoreEngine, use_threads
 from leanstate.reference.row_format import COUNT_MAX, header_words
 
 DEVICES = ("cpu",)
@@ -219,6 +219,7 @@ class EmbeddingEngine:
     def pool_rows(self, rows, inverse, offsets, per_sample_weights, mean) -> torch.Tensor:
         """Pool given rows [U, D] of any float dtype (e.g. rows received from their owners)."""
         rows = rows.to(torch.float32).contiguous()
+        use_threads(len(inverse) * rows.shape[1])
         out = torch.empty(len(offsets) - 1, rows.shape[1])
         _pool(
             rows.numpy(),
@@ -239,6 +240,7 @@ class EmbeddingEngine:
     ) -> torch.Tensor:
         """Each distinct id's gradient [U, D], summed exactly as ``update`` sums it."""
         grad = torch.empty(unique_count, grad_output.shape[1])
+        use_threads(len(inverse) * grad_output.shape[1])
         _row_gradients(
             inverse.numpy(), offsets.numpy(), self._scales(per_sample_weights), mean,
             grad_output.contiguous().numpy(), grad.numpy(),
@@ -261,6 +263,7 @@ class EmbeddingEngine:
         out = torch.empty(len(offsets) - 1, layout.dim)
         with store.reading():
             blocks = store.locate(unique).numpy()
+            use_threads(len(inverse) * layout.dim)
             missing = np.flatnonzero(blocks == -1)
             slot_of_missing = np.full(len(unique), -1, dtype=np.int64)
             slot_of_missing[missing] = np.arange(len(missing))
@@ -318,6 +321,7 @@ class EmbeddingEngine:
                     locks.enter_context(engine.writing())
             blocks = weights.locate(unique, insert=True)
             state_blocks = state.locate(unique, insert=True) if state is not None else blocks
+            use_threads(len(inverse) * weights.layout.dim)
             if weights.layout.dtype == torch.float32:
                 holder = state if state is not None else weights
                 _update(

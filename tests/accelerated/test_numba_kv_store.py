@@ -188,3 +188,26 @@ def test_every_write_takes_the_write_lock_and_every_read_the_read_lock():
         call()
         want = "write" if name in writes else "read"
         assert spy.taken and set(spy.taken) == {want}, (name, spy.taken)
+
+
+def test_kernels_run_serially_when_small_and_follow_torch_threads_when_large():
+    import numba
+
+    from leanstate.accelerated.numba_kv_store import SERIAL_BELOW
+
+    store = KVStore(128, optimizer_state_dim=1, backend="numba")
+    small = torch.arange(8)
+    large = torch.arange(SERIAL_BELOW // 128 + 1)
+    store.set(large, torch.ones(len(large), 128))
+    torch_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            store.get(large, width=128)
+            assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+            store.get(small, width=128)
+            assert numba.get_num_threads() == 1
+            store.set(large, torch.ones(len(large), 128))
+            assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(torch_threads)
