@@ -34,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import threading
 from contextlib import contextmanager
@@ -48,6 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from leanstate.accelerated import _host_buffers
+from leanstate.accelerated._pages import populate
 from leanstate.reference.hashing import INIT_BITS
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
@@ -455,36 +455,6 @@ class _ReadersWriterLock:
                 self._cond.notify_all()
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
-_PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-@njit(nogil=True, cache=True)
-def _touch_pages(pages):
-    for i in range(0, pages.shape[0], _PAGE):
-        pages[i] = 0
-
-
-def _populate(pool: mmap.mmap, first: int, last: int | None = None, *, touch: bool = False) -> None:
-    """Fault in bytes ``[first, last)`` of ``pool`` (default: to its end); no byte changes.
-
-    The kernel call only maps pages. Without it (Linux before 5.14), ``touch`` writes a
-    zero into each page wholly inside the range: only for pages no row uses yet, and
-    only under the write lock. Both release the GIL.
-    """
-    last = len(pool) if last is None else min(last, len(pool))
-    if last <= first:
-        return
-    address = torch.frombuffer(pool, dtype=torch.uint8).data_ptr()
-    start = first - first % _PAGE
-    if _libc.madvise(address + start, last - start, _MADV_POPULATE_WRITE) != 0 and touch:
-        start = -(-first // _PAGE) * _PAGE
-        if start < last:
-            _touch_pages(np.frombuffer(pool, dtype=np.uint8, count=last - start, offset=start))
-
-
 _ELEMENT_VIEW = {4: torch.int32, 2: torch.int16}
 
 
@@ -586,7 +556,7 @@ class KVStoreEngine:
             self._view_pool()
             if headroom:
                 first = max(self._faulted_to, rows_needed * row_bytes)
-                self._prefault = threading.Thread(target=_populate, args=(self._map, first), daemon=True)
+                self._prefault = threading.Thread(target=populate, args=(self._map, first), daemon=True)
                 self._prefault.start()
                 self._faulted_to = len(self._map)
 
@@ -610,7 +580,7 @@ class KVStoreEngine:
             self._finish_prefault()
             first = self.handed_out * self.layout.row_bytes
             last = first + max(0, rows - self.free_top) * self.layout.row_bytes
-            _populate(self._map, first, last, touch=True)
+            populate(self._map, first, last, touch=True)
             self._faulted_to = max(self._faulted_to, last)
 
     # -- helpers -------------------------------------------------------------------

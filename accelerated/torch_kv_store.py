@@ -21,10 +21,12 @@ A lock makes each call atomic, so concurrent threads are safe.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
 
+from leanstate.accelerated._pages import populate
 from leanstate.reference.hashing import INIT_BITS, MASK64, SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
 
@@ -34,6 +36,7 @@ AUTO_PRIORITY = {"cpu": 10, "cuda": 30}  # on a GPU: first until the GPU bench s
 BENCH_TARGETS = {"get": (">=", 0.3)}  # torch ops on the CPU, no compiled kernels
 _USED = torch.iinfo(torch.int64).min
 _INT64_MAX = torch.iinfo(torch.int64).max
+_WINDOW = 8  # table slots a lookup or insert round looks at per key, past the first step
 
 
 def _signed(value: int) -> int:
@@ -58,37 +61,66 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 def stamp(rows: torch.Tensor, writes: torch.Tensor | int, now: int) -> None:
     """Headers of ``rows`` after ``writes`` more writes each: count += writes (saturating),
     timestamp ``now``, ``used`` set."""
-    header = header_words(rows)
+    stamp_words(header_words(rows), writes, now)
+
+
+def stamp_words(header: torch.Tensor, writes: torch.Tensor | int, now: int) -> None:
+    """``stamp`` on the header words ``[N, 2]`` (key, metadata) themselves."""
     _, count, _ = unpack_metadata(header[:, 1])
     count = torch.clamp(count + writes, max=COUNT_MAX)
     header[:, 1] = pack_metadata(torch.full_like(count, now), count, torch.ones_like(count, dtype=torch.bool))
 
 
 class RowPool:
-    """One tensor of rows that grows by an eighth, in whole 1024-row steps, with a
-    last-in-first-out free list (the torch and numba-cuda engines keep their rows in one).
+    """One tensor of rows with a last-in-first-out free list (the torch and numba-cuda
+    engines keep their rows in one).
 
-    At most an eighth of the pool sits unused (the memory target is 1.1x the row bytes),
+    On the CPU the rows live in an anonymous memory map that grows in place (``mremap``:
+    no copy, and the new pages are zero and cost nothing until written), in 1024-row
+    steps. On a GPU the tensor grows by an eighth, in whole 1024-row steps, copying: at
+    most an eighth of the pool sits unused (the memory target is 1.1x the row bytes),
     and each row is copied about eight times at most as the pool grows.
     """
 
     def __init__(self, layout: RowLayout, device: torch.device) -> None:
         self.layout, self.device = layout, device
-        self.rows = torch.zeros(1024, layout.width, dtype=layout.dtype, device=device)
+        self._map = None
+        if device.type == "cpu":
+            self._map = mmap.mmap(-1, 1024 * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._view_map()
+        else:
+            self.rows = torch.zeros(1024, layout.width, dtype=layout.dtype, device=device)
         self.handed_out = 0  # blocks ever taken (free ones included)
         self.free = torch.empty(0, dtype=torch.int64, device=device)
+
+    def _view_map(self) -> None:
+        rows = len(self._map) // self.layout.row_bytes
+        self.rows = torch.frombuffer(self._map, dtype=self.layout.dtype).view(rows, self.layout.width)
 
     def nbytes(self) -> int:
         """Bytes of the rows and the free list."""
         return self.rows.numel() * self.rows.element_size() + self.free.numel() * 8
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` more blocks now."""
-        self.grow(self.handed_out + max(0, rows - len(self.free)))
+        """Room for ``rows`` more blocks now (on the CPU also faulted in, so the inserts that
+        follow write to memory that is already there)."""
+        fresh = max(0, rows - len(self.free))
+        self.grow(self.handed_out + fresh)
+        if self._map is not None:
+            row_bytes = self.layout.row_bytes
+            populate(
+                self._map, self.handed_out * row_bytes, (self.handed_out + fresh) * row_bytes, touch=True
+            )
 
     def grow(self, rows: int) -> None:
-        """At least ``rows`` rows (existing rows copied; new ones zero)."""
+        """At least ``rows`` rows (existing rows kept; new ones zero)."""
         if rows <= len(self.rows):
+            return
+        if self._map is not None:
+            size = -(-rows // 1024) * 1024
+            del self.rows  # no view of the map may outlive the resize
+            self._map.resize(size * self.layout.row_bytes)
+            self._view_map()
             return
         size = max(rows, len(self.rows) + len(self.rows) // 8)
         size = -(-size // 1024) * 1024
@@ -113,10 +145,16 @@ class RowPool:
 
 def last_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(distinct keys ascending, position of each one's last occurrence, occurrences)."""
+    unique, last, counts, _ = _last_occurrences(keys)
+    return unique, last, counts
+
+
+def _last_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``last_occurrences`` and the index of each key's distinct key (``inverse``)."""
     unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     last = torch.full((len(unique),), -1, dtype=torch.int64, device=keys.device)
     last.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amax")
-    return unique, last, counts
+    return unique, last, counts, inverse
 
 
 class KVStoreEngine:
@@ -170,22 +208,37 @@ class KVStoreEngine:
     def _home(self, keys: torch.Tensor, capacity: int) -> torch.Tensor:
         return _splitmix64(keys) & (capacity - 1)
 
+    def _window(self, position: torch.Tensor) -> torch.Tensor:
+        """The ``_WINDOW`` slots from each position on, ``[n, _WINDOW]`` (wrapping)."""
+        steps = torch.arange(_WINDOW, device=self.device)
+        return (position[:, None] + steps[None, :]) & (len(self._table_keys) - 1)
+
     def _probe(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot or -1, block or -1) of each non-negative key."""
         capacity = len(self._table_keys)
-        slots = torch.full_like(keys, -1)
-        blocks = torch.full_like(keys, -1)
-        active = torch.arange(len(keys), device=self.device)
         position = self._home(keys, capacity)
-        for _ in range(capacity):
-            if len(active) == 0:
-                break
-            found = self._table_keys[position]
-            hit = found == keys[active]
-            slots[active[hit]] = position[hit]
-            blocks[active[hit]] = self._table_blocks[position[hit]]
-            going = ~hit & (found != _EMPTY)
-            active, position = active[going], (position[going] + 1) & (capacity - 1)
+        # the first step settles most keys (the table is at most half full): whole-batch ops,
+        # no compaction; the keys still going then look at _WINDOW slots a round, so the
+        # rounds are bounded by the longest run of slots over _WINDOW, not by its length
+        found = self._table_keys.index_select(0, position)
+        hit = found == keys
+        slots = torch.where(hit, position, -1)
+        blocks = torch.where(hit, self._table_blocks.index_select(0, position), -1)
+        active = torch.nonzero(~hit & (found != _EMPTY)).flatten()
+        position = (position[active] + 1) & (capacity - 1)
+        while len(active):
+            window = self._window(position)
+            found = torch.take(self._table_keys, window)
+            is_hit = found == keys[active, None]
+            settled = is_hit | (found == _EMPTY)
+            first = settled.to(torch.uint8).argmax(dim=1)  # the first slot that settles the key
+            slot = window.gather(1, first[:, None]).flatten()
+            done = settled.any(dim=1)
+            found_here = done & is_hit.gather(1, first[:, None]).flatten()
+            slots[active[found_here]] = slot[found_here]
+            blocks[active[found_here]] = self._table_blocks.index_select(0, slot[found_here])
+            going = ~done
+            active, position = active[going], (position[going] + _WINDOW) & (capacity - 1)
         return slots, blocks
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -197,22 +250,35 @@ class KVStoreEngine:
         return blocks
 
     def _place(self, keys: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Put distinct absent ``keys`` in the table: smallest key wins each contested slot."""
+        """Put distinct absent ``keys`` in the table.
+
+        Each key bids for the first free slot (empty or tombstone) in the ``_WINDOW`` slots
+        from its position; the smallest key wins each contested slot, and the others go
+        on from the slot after the one they lost (every slot they skipped is taken, so no
+        empty slot lies between a key's home and its slot, as lookups need).
+        """
         capacity = len(self._table_keys)
         position = self._home(keys, capacity)
         while len(keys):
-            free = torch.nonzero(self._table_keys[position] < 0).flatten()  # empty or tombstone
-            contested, bidder = torch.unique(position[free], return_inverse=True)
+            window = self._window(position)
+            free = torch.take(self._table_keys, window) < 0
+            first = free.to(torch.uint8).argmax(dim=1)
+            has_free = free.any(dim=1)
+            slot = window.gather(1, first[:, None]).flatten()
+            bidders = torch.nonzero(has_free).flatten()
+            contested, bidder = torch.unique(slot[bidders], return_inverse=True)
             best = torch.full((len(contested),), _INT64_MAX, dtype=torch.int64, device=self.device)
-            best.scatter_reduce_(0, bidder, keys[free], reduce="amin")
+            best.scatter_reduce_(0, bidder, keys[bidders], reduce="amin")
             won = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
-            won[free] = keys[free] == best[bidder]
-            reused = self._table_keys[position[won]] == _TOMBSTONE
+            won[bidders] = keys[bidders] == best[bidder]
+            reused = self._table_keys[slot[won]] == _TOMBSTONE
             self._tombstones -= int(reused.sum())
-            self._table_keys[position[won]] = keys[won]
-            self._table_blocks[position[won]] = blocks[won]
-            keys, blocks = keys[~won], blocks[~won]
-            position = (position[~won] + 1) & (capacity - 1)
+            self._table_keys[slot[won]] = keys[won]
+            self._table_blocks[slot[won]] = blocks[won]
+            lost = ~won
+            # a loser goes on after the slot it lost; a key with no free slot, after its window
+            position = torch.where(has_free, slot + 1, position + _WINDOW)[lost] & (capacity - 1)
+            keys, blocks = keys[lost], blocks[lost]
 
     def _fit_table(self, rows: int) -> None:
         """Rebuild the table, larger if needed, when rows and tombstones would pass half of it."""
@@ -297,16 +363,19 @@ class KVStoreEngine:
     ) -> torch.Tensor:
         """Columns ``[start, start + width)``; a missing id its initial row or zeros, a negative one zeros."""
         ids = ids.to(self.device)
+        result = out if out is not None and out.device == self.device else None
         with self.lock:
             blocks = self._lookup(ids)
-            result = torch.zeros(len(ids), width, dtype=self.layout.dtype, device=self.device)
-            present = torch.nonzero(blocks >= 0).flatten()
-            result[present] = self.rows.index_select(0, blocks[present])[:, start : start + width]
-        if initial:
-            missing = torch.nonzero((blocks < 0) & (ids >= 0)).flatten()
-            if len(missing):
+            columns = self.rows[:, start : start + width]
+            # one gather of every row (block 0 stands in for absent ids), then the absent fixed
+            result = torch.index_select(columns, 0, blocks.clamp(min=0), out=result)
+        absent = torch.nonzero(blocks < 0).flatten()
+        if len(absent):
+            result[absent] = 0
+            missing = absent[ids[absent] >= 0]
+            if initial and len(missing):
                 result[missing] = self.initial_rows(ids[missing])[:, start : start + width]
-        return result if out is None else out.copy_(result)
+        return result if out is None or result is out else out.copy_(result)
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """Which ids have a row."""
@@ -340,14 +409,23 @@ class KVStoreEngine:
     def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
         """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``."""
         ids, values = ids.to(self.device), values.to(self.device)
-        kept = torch.nonzero(ids >= 0).flatten()
-        unique, last, occurrences = last_occurrences(ids[kept])
+        every = bool((ids >= 0).all())
+        kept = None if every else torch.nonzero(ids >= 0).flatten()
+        unique, last, occurrences, inverse = _last_occurrences(ids if every else ids[kept])
+        layout, end = self.layout, start + values.shape[1]
+        covers_weights = start <= layout.weight_offset and end >= layout.weight_offset + layout.dim
         with self.lock:
-            blocks = self._blocks_for(unique)
-            rows = self.rows.index_select(0, blocks)
-            rows[:, start : start + values.shape[1]] = values[kept[last]]
-            stamp(rows, occurrences, now)
-            self.rows.index_copy_(0, blocks, rows)
+            # rows inserted here keep their initial weights only where the values leave them
+            blocks = self._blocks_for(unique, initial=not covers_weights)
+            if every and len(unique) == len(ids):  # distinct ids: write the values where they are
+                self.rows[:, start:end].index_copy_(0, blocks[inverse], values)
+            else:  # the last occurrence of each id wins
+                self.rows[:, start:end].index_copy_(0, blocks, values[last if every else kept[last]])
+            header = header_words(self.rows)
+            rows = header.index_select(0, blocks)  # only the headers are read back
+            rows[:, 0] = unique  # a row inserted without its initial row has no key yet
+            stamp_words(rows, occurrences, now)
+            header.index_copy_(0, blocks, rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""

@@ -88,3 +88,34 @@ def test_a_fresh_load_into_a_torch_store_holds_the_table_and_about_a_slice(tmp_p
     result = json.loads(done.stdout)
     assert result["rows"] == 100_000
     assert result["extra"] - result["store"] < 40 * 2**20, result  # beyond the store: slices, not the table
+
+
+def test_runs_of_colliding_ids_longer_than_a_probe_window_are_found_and_placed():
+    from leanstate.accelerated.torch_kv_store import _WINDOW
+
+    clock = FakeClock(100)
+    stores = {name: KVStore(4, backend=name, clock=clock) for name in ("reference", "torch")}
+    engine = stores["torch"].engine
+    capacity = len(engine._table_keys)
+    candidates = torch.arange(200_000)
+    homes = engine._home(candidates, capacity)
+    # 5 windows' worth of ids sharing one home, and as many sharing the next slots
+    crowded = torch.cat([candidates[homes == h][: 5 * _WINDOW // 2] for h in (7, 8)])
+    assert len(crowded) == 5 * _WINDOW
+    for store in stores.values():
+        store.set(crowded, crowded[:, None].float().expand(-1, 4))
+        store.delete(crowded[1::3])  # tombstones inside the runs
+        store.set(crowded[::3] + 10**9, torch.ones(len(crowded[::3]), 4))  # new ids, reusing slots
+    reference, mine = stores["reference"], stores["torch"]
+    probe = torch.cat([crowded, crowded + 10**9, torch.tensor([-1, 5])])
+    assert torch.equal(mine.contains(probe), reference.contains(probe))
+    assert same_bits(mine.get(probe), reference.get(probe))
+    assert torch.equal(mine.keys(), reference.keys())
+    # every live key sits in its home's run: no empty slot between its home and its slot
+    keys = engine._table_keys
+    slots = engine._probe(mine.keys())[0]
+    assert bool((slots >= 0).all())
+    for key, slot in zip(mine.keys().tolist(), slots.tolist(), strict=True):
+        home = int(engine._home(torch.tensor([key]), capacity))
+        path = torch.arange(home, home + (slot - home) % capacity + 1) % capacity
+        assert bool((keys[path] != -1).all())
