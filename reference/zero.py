@@ -64,6 +64,68 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(ctypes.string_at(data.data_ptr(), data.numel())), weights_only=True)
 
 
+def _split_tensors(obj: Any, *, copy: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    """(``obj`` with each tensor replaced by a meta tensor of its shape and dtype, the
+    tensors on the CPU, contiguous, in the order a depth-first walk meets them);
+    ``copy``: (``obj`` with each tensor replaced by a CPU copy, those copies)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().to("cpu", copy=copy, memory_format=torch.contiguous_format)
+            tensors.append(tensor)
+            return tensor if copy else torch.empty(value.shape, dtype=value.dtype, device="meta")
+        if isinstance(value, dict):
+            return {key: strip(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(strip(item) for item in value)
+        return value
+
+    return strip(obj), tensors
+
+
+def _join_tensors(skeleton: Any, body: torch.Tensor) -> Any:
+    """``_split_tensors`` undone: each meta tensor becomes a view of its bytes in ``body``."""
+    offset = 0
+
+    def fill(value: Any) -> Any:
+        nonlocal offset
+        if isinstance(value, torch.Tensor):
+            offset = _aligned(offset)
+            data = body[offset : offset + _nbytes(value)]
+            offset += _nbytes(value)
+            return data.view(value.dtype).view(value.shape)
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(fill(item) for item in value)
+        return value
+
+    return fill(skeleton)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // 16) * 16
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """(16-byte aligned offset of each tensor in one buffer, the buffer's size)."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(_aligned(end))
+        end = offsets[-1] + _nbytes(tensor)
+    return offsets, end
+
+
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank keeps the state of its shard only.
 
@@ -358,23 +420,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's local state to rank ``to`` (of the group). Call on every rank."""
         self._wait()
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
-        payload = _to_bytes(self.optim.state_dict())
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.process_group)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        target = self._global_rank(to)
-        if self.rank == to:
-            slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.gather(padded, gather_list=slots, dst=target, group=self.process_group)
-            self._gathered = [
-                _from_bytes(slot[: int(n.item())]) for slot, n in zip(slots, sizes, strict=True)
-            ]
-        else:
-            dist.gather(padded, dst=target, group=self.process_group)
+        # No pickling of tensors: each rank sends a small pickled skeleton (its state with
+        # each tensor replaced by a meta tensor of its shape and dtype), then every tensor's
+        # bytes straight from where they lie; rank ``to`` receives them into one flat buffer
+        # per rank and rebuilds the tensors as views of it. Point to point, not
+        # dist.gather: gloo's gather of 32 MiB per rank measured 69-285 ms on one host.
+        skeleton, tensors = _split_tensors(self.optim.state_dict())
+        head = _to_bytes(skeleton)
+        sizes = torch.tensor([head.numel(), _layout(tensors)[1]], dtype=torch.int64)
+        everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(everyone, sizes, group=self.process_group)
+        if self.rank != to:
+            target = self._global_rank(to)
+            for data in [head, *(_as_bytes(t) for t in tensors)]:
+                if data.numel():
+                    dist.send(data, dst=target, group=self.process_group)
             self._gathered = None
+            return
+        gathered = []
+        for rank, (head_bytes, body_bytes) in enumerate(everyone):
+            if rank == to:  # a copy, as the other ranks' state is: later steps leave it as it was
+                gathered.append(_split_tensors(self.optim.state_dict(), copy=True)[0])
+                continue
+            source = self._global_rank(rank)
+            head = torch.empty(int(head_bytes), dtype=torch.uint8)
+            dist.recv(head, src=source, group=self.process_group)
+            state = _from_bytes(head)
+            body = torch.empty(int(body_bytes), dtype=torch.uint8)
+            state = _join_tensors(state, body)
+            for tensor in _split_tensors(state)[1]:
+                if tensor.numel():
+                    dist.recv(_as_bytes(tensor), src=source, group=self.process_group)
+            gathered.append(state)
+        self._gathered = gathered
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state in ``torch.optim`` format (after consolidation here)."""

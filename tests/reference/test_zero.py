@@ -206,6 +206,16 @@ def state_dicts(rank, world, folder):
     for key, entry in given["state"].items():  # the loaded optimizer did not write into it
         for field, value in entry.items():
             assert torch.equal(value, pristine["state"][key][field])
+    # the consolidated state is a snapshot: a later step leaves it (this rank's part too) as it was
+    if rank == target:
+        before = copy.deepcopy(zero.state_dict())
+    backward(zero_model, batch(7, rank))
+    zero.step()
+    if rank == target:
+        after = zero.state_dict()
+        for key, entry in before["state"].items():
+            for field, value in entry.items():
+                assert torch.equal(after["state"][key][field], value), ("changed by a later step", key, field)
 
 
 def empty_shard(rank, world, folder):
