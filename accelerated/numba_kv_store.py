@@ -65,12 +65,14 @@ _MIN_SLOTS = 16
 DEVICES = ("cpu",)
 AUTO_PRIORITY = {"cpu": 20, "cuda": 10}
 BENCH_TARGETS = {
-    "get": (">=", 0.8),
+    "get": (">=", 1.0),
+    "get_out": (">=", 0.8),
     "set": (">=", 0.6),
-    "insert": (">=", 0.35),
+    "insert": (">=", 0.6),
+    "insert_reserved": (">=", 0.8),
     "memory": ("<=", 1.1),
-    "save": (">=", 0.5),
-    "load": (">=", 0.5),
+    "save": (">=", 0.85),
+    "load": (">=", 0.8),
 }
 
 

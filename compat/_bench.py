@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,30 @@ def best_times(fns: dict[str, Callable[[], object]], repeat: int = 3) -> dict[st
     return {name: min(values) for name, values in times.items()}
 
 
+Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]
+
+
+def samples(fns: dict[str, Timed], rounds: int, inner: int = 1) -> dict[str, list[float]]:
+    """Wall times of each function in every round, the calls interleaved round by round.
+
+    A round keeps the best of ``inner`` calls. A ``(setup, run)`` pair times ``run`` only,
+    with ``setup`` called untimed before each call.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            setup, run = fn if isinstance(fn, tuple) else (None, fn)
+            best = float("inf")
+            for _ in range(inner):
+                if setup is not None:
+                    setup()
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            times[name].append(best)
+    return times
+
+
 def fill(store: leanstate.KVStore, rows: int) -> leanstate.KVStore:
     """Insert ids ``0..rows-1`` with random weights into ``store``; returns it."""
     generator = torch.Generator().manual_seed(0)
@@ -74,9 +99,17 @@ class KVGetSet:
         self.ids = torch.randint(0, rows, (batch,), generator=generator)
         self.values = torch.randn(batch, dim, generator=generator)
         self.dim = dim
+        self.out, self.dense_out = torch.empty(batch, dim), torch.empty(batch, dim)
 
     def get(self) -> torch.Tensor:
         return self.store.get(self.ids, width=self.dim)
+
+    def get_out(self) -> torch.Tensor:
+        return self.store.get(self.ids, width=self.dim, out=self.out)
+
+    def reserve_next(self) -> None:
+        """Reserve the rows of the next ``insert`` (untimed setup of the reserved figure)."""
+        self.store.reserve(len(self.ids))
 
     def set(self) -> None:
         self.store.set(self.ids, self.values)
@@ -88,6 +121,9 @@ class KVGetSet:
 
     def dense_get(self) -> torch.Tensor:
         return self.dense.index_select(0, self.ids)
+
+    def dense_get_out(self) -> torch.Tensor:
+        return torch.index_select(self.dense, 0, self.ids, out=self.dense_out)
 
     def dense_set(self) -> None:
         self.dense.index_copy_(0, self.ids, self.values)
@@ -359,6 +395,7 @@ def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
     if rank == 0:
         result = {
             "step": {k: statistics.median(v) for k, v in times.items()},
+            "steps": times,
             "broadcasts": counts["broadcast"],
             "consolidate": consolidate,
             "state_bytes": state_bytes,
@@ -410,16 +447,28 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim:
         )  # fmt: skip
         if step == 2:
             ebc.exchange_stats.update(bytes=0, min_bytes=0)
+            ebc._seconds.clear()
+            cpu = time.process_time()
         dist.barrier()
         start = time.perf_counter()
         ebc(batch).values().sum().backward()
         dist.barrier()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    totals = torch.tensor([ebc.exchange_stats["bytes"], ebc.exchange_stats["min_bytes"]])
+    cpu = time.process_time() - cpu  # every thread of this rank, barriers' waits included
+    phases = sorted(ebc._seconds)
+    totals = torch.tensor([ebc.exchange_stats["bytes"], ebc.exchange_stats["min_bytes"]], dtype=torch.float64)
+    seconds = torch.tensor([cpu] + [ebc._seconds[p] for p in phases], dtype=torch.float64)
     dist.all_reduce(totals)
+    dist.all_reduce(seconds)
     if rank == 0:
-        result = {"step": statistics.median(times), "bytes": int(totals[0]), "min_bytes": int(totals[1])}
+        result = {
+            "step": statistics.median(times),
+            "bytes": int(totals[0]),
+            "min_bytes": int(totals[1]),
+            "cpu_per_id": float(seconds[0]) / (world * ids * steps),  # summed over ranks
+            "phases": {p: float(v) / (world * steps) for p, v in zip(phases, seconds[1:], strict=True)},
+        }
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -438,6 +487,57 @@ def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_
         return json.loads(Path(out).read_text())
 
 
+_THREADS_PROBE = """
+import json, statistics, time, torch
+from leanstate.embedding import KVEmbeddingBag
+bag = KVEmbeddingBag(100_000, 128, optimizer="rowwise_adagrad", lr=0.01, backend="numba")
+generator = torch.Generator().manual_seed(0)
+bag.store.set(torch.arange(100_000), torch.randn(100_000, 128, generator=generator))
+ids = torch.randint(0, 100_000, (256 * 20,), generator=generator)
+offsets, upstream = torch.arange(0, 256 * 20, 20), torch.randn(256, 128, generator=generator)
+rows = bag.store.get_rows(torch.tensor([1, 2]))
+def step():
+    (bag(ids, offsets) * upstream).sum().backward()
+def set_rows():
+    bag.store.set_rows(rows)
+out = {}
+for name, fn, calls in (("step", step, 60), ("set_rows", set_rows, 400)):
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    out[name] = statistics.median(times)
+print(json.dumps(out))
+"""
+
+
+def threads_under_load(rounds: int) -> dict[str, list[float]]:
+    """Median times of a 256 x 20 embedding step and of a 2-row ``set_rows`` (numba), with a
+    second CPU-bound process running: numba's default threads, then ``NUMBA_NUM_THREADS=1``
+    (the peer), alternating in fresh processes; one sample per round each."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        results: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for kind, extra in (("default", {}), ("one", {"NUMBA_NUM_THREADS": "1"})):
+                env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"} | extra
+                done = subprocess.run(
+                    [sys.executable, "-c", _THREADS_PROBE],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                )
+                for name, value in json.loads(done.stdout).items():
+                    results.setdefault(f"{name} {kind}", []).append(value)
+        return results
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 # DCP save and load throughput against the native whole-row format's, in the same run.
 DCP_TARGET = (">=", 0.7)
 
@@ -450,39 +550,58 @@ def _target(component: str, op: str, backend: str) -> tuple[str, float] | None:
     return getattr(module, "BENCH_TARGETS", {}).get(op)
 
 
-def _met(ratio: float, target: tuple[str, float] | None) -> str:
+def _verdict(ratios: list[float], target: tuple[str, float] | None) -> str:
+    """ "yes" when every sample meets the target, "no" when none does, else "noisy"."""
     if target is None:
         return "-"
     op, value = target
-    return "yes" if (ratio >= value if op == ">=" else ratio <= value) else "no"
+    meets = [(r >= value if op == ">=" else r <= value) for r in ratios]
+    return "yes" if all(meets) else "no" if not any(meets) else "noisy"
 
 
 def _line(component, measure, backend, ours, peer_name, peer, target, *, time=True) -> tuple:
-    """One row of the bench table: the ratio (a throughput ratio for times, the plain
-    ratio for sizes) beside the target and whether it is met."""
-    ratio = peer / ours if time else ours / peer
+    """One row of the bench table from samples of leanstate's figure and its peer's (lists
+    of the same length, or one number): medians, the median ratio (a throughput ratio for
+    times, the plain ratio for sizes), the ratios' spread, the target and the verdict."""
+    ours = ours if isinstance(ours, list) else [ours]
+    peer = peer if isinstance(peer, list) else [peer] * len(ours)
+    ratios = [(p / o if time else o / p) for o, p in zip(ours, peer, strict=True)]
+    spread = f"{min(ratios):.3g}..{max(ratios):.3g}" if len(ratios) > 1 else f"{ratios[0]:.3g}"
     shown = "-" if target is None else f"{target[0]} {target[1]}"
-    return (component, measure, backend, ours, peer_name, peer, ratio, shown, _met(ratio, target))
+    return (
+        component, measure, backend, statistics.median(ours), peer_name, statistics.median(peer),
+        statistics.median(ratios), spread, shown, _verdict(ratios, target),
+    )  # fmt: skip
 
 
 def store_figures(
-    rows: int, dim: int, batch: int, backends: list[str] | None = None, repeat: int = 5
+    rows: int, dim: int, batch: int, backends: list[str] | None = None, rounds: int = 5
 ) -> list[tuple]:
-    """The store's rows of the bench table (get, set, insert, memory) for every available
-    store backend of the registry (or ``backends``), each beside the dense peer."""
+    """The store's rows of the bench table (get, get into ``out``, set, insert with and
+    without ``reserve``, memory) for every available store backend of the registry (or
+    ``backends``), each beside the dense peer."""
     lines = []
     for name in _backends.available("kv_store") if backends is None else backends:
         kv = KVGetSet(rows, dim, batch, name)
-        for op, peer_name, ours, peer in (
-            ("get", "dense index_select", kv.get, kv.dense_get),
-            ("set", "dense index_copy_", kv.set, kv.dense_set),
-            ("insert", "dense index_copy_", kv.insert, kv.dense_set),
-        ):
-            times = best_times({"ours": ours, "peer": peer}, repeat)
+        for op, label, peer_name, ours, peer in (
+            ("get", "get", "dense index_select", kv.get, kv.dense_get),
+            ("get_out", "get(out=)", "index_select(out=)", kv.get_out, kv.dense_get_out),
+            ("set", "set", "dense index_copy_", kv.set, kv.dense_set),
+            ("insert", "insert", "dense index_copy_", kv.insert, kv.dense_set),
+            ("insert_reserved", "reserve+insert", "dense index_copy_", (kv.reserve_next, kv.insert), kv.dense_set),
+        ):  # fmt: skip
+            (ours[1] if isinstance(ours, tuple) else ours)()  # warm-up
+            times = samples({"ours": ours, "peer": peer}, rounds, inner=3)
             target = _target("kv_store", op, name)
             lines.append(
                 _line(
-                    "kv_store", f"{op} {batch} ids s", name, times["ours"], peer_name, times["peer"], target
+                    "kv_store",
+                    f"{label} {batch} ids s",
+                    name,
+                    times["ours"],
+                    peer_name,
+                    times["peer"],
+                    target,
                 )
             )
         per_row = kv.store.memory_bytes() / len(kv.store)
@@ -491,6 +610,7 @@ def store_figures(
         lines.append(
             _line("kv_store", "memory bytes/row", name, per_row, "row bytes", row_bytes, target, time=False)
         )
+        del kv
     return lines
 
 
@@ -501,30 +621,36 @@ def report(
     backend: str | None = None,
     wrapper_batch: int = 2,
     quick: bool = False,
+    checkpoint_rows: int | None = None,
 ) -> list[dict]:
-    """Run the quick versions (``quick``: fewer steps and ranks); rows (dicts of ``COLUMNS``) of leanstate beside its peer, with targets.
+    """Run the benchmarks (``quick``: fewer rounds, steps and ranks); rows (dicts of ``COLUMNS``)
+    of leanstate beside its peer, with targets.
 
-    ``ratio`` is a throughput ratio for times (peer time / leanstate time: 1.0 = as fast
-    as the peer, higher is better) and the plain ratio leanstate / peer for sizes. The
+    Every figure is measured in several rounds, leanstate's and the peer's interleaved;
+    the row gives the medians, the median ratio and the ratios' spread. ``ratio`` is a
+    throughput ratio for times (peer time / leanstate time: 1.0 = as fast as the peer,
+    higher is better) and the plain ratio leanstate / peer for sizes. ``met`` is "yes"
+    when every round meets the target, "no" when none does, and "noisy" otherwise. The
     store rows run on every registered backend; the rest on ``backend`` (default: the
     import-time choice). Targets apply to the accelerated backends; the reference is
-    reported beside them.
+    reported beside them. ``checkpoint_rows``: the table of the checkpoint figures
+    (default ``rows``).
     """
     backend = backend or leanstate.backend_info().chosen["kv_store"]
+    checkpoint_rows = checkpoint_rows or rows
+    rounds = 3 if quick else 5
     lines = []
-
-    def repeats(n: int) -> int:
-        return min(n, 2) if quick else n
 
     def add(component, measure, ours, peer_name, peer, target, *, time=True, name=backend):
         lines.append(_line(component, measure, name, ours, peer_name, peer, target, time=time))
 
-    lines.extend(store_figures(rows, dim, batch, repeat=repeats(5)))
+    lines.extend(store_figures(rows, dim, batch, rounds=rounds))
     for name in _backends.available("kv_store"):
-        io = CheckpointIO(rows, dim, name)
+        io = CheckpointIO(checkpoint_rows, dim, name)
         try:
             io.dcp_save()
-            times = best_times(
+            io.load()
+            times = samples(
                 {
                     "save": io.save,
                     "write": io.write_plain,
@@ -533,18 +659,19 @@ def report(
                     "dcp save": io.dcp_save,
                     "dcp load": io.dcp_load,
                 },
-                repeats(3),
+                rounds,
             )
         finally:
             io.close()
         for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
             target = _target("kv_store", op, name)
-            add("checkpoint", f"{op} {rows} rows s", times[op], peer_name, times[peer], target, name=name)
+            measure = f"{op} {checkpoint_rows} rows s"
+            add("checkpoint", measure, times[op], peer_name, times[peer], target, name=name)
         for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
             mine = f"dcp {op}"
             add(
                 "checkpoint",
-                f"{mine} {rows} rows s",
+                f"{mine} {checkpoint_rows} rows s",
                 times[mine],
                 f"whole-row {op}",
                 times[op],
@@ -575,7 +702,7 @@ def report(
     steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
     for w in steps.values():
         w.step()  # warm-up
-    times = best_times({v: w.step for v, w in steps.items()}, repeats(3))
+    times = samples({v: w.step for v, w in steps.items()}, rounds)
     saved = {v: w.saved_bytes() for v, w in steps.items()}
     add(
         "wrappers",
@@ -625,6 +752,7 @@ def report(
         None,
         name="reference",
     )
+    del steps
     for name, (optimizer, peer) in itertools.product(
         _backends.available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
     ):
@@ -632,7 +760,7 @@ def report(
         dense = EmbeddingStep("dense", peer, rows, dim)
         ours.step()
         dense.step()
-        times = best_times({"ours": ours.step, "peer": dense.step}, repeats(3))
+        times = samples({"ours": ours.step, "peer": dense.step}, rounds)
         add(
             "embedding",
             f"{optimizer} step s (B=4096x20)",
@@ -643,14 +771,29 @@ def report(
             name=name,
         )
         del ours, dense
+    if "numba" in _backends.available("embedding"):
+        loaded = threads_under_load(2 if quick else 3)
+        for figure, measure in (
+            ("step", "256x20 step s, CPU-bound neighbour"),
+            ("set_rows", "set_rows 2 rows s, CPU-bound neighbour"),
+        ):
+            add(
+                "threads",
+                measure,
+                loaded[f"{figure} default"],
+                "NUMBA_NUM_THREADS=1",
+                loaded[f"{figure} one"],
+                (">=", 0.8),
+                name="numba",
+            )  # fmt: skip
     zero = zero_comparison(steps=4 if quick else 10)
     add(
         "zero",
         "step s (2 ranks, buckets)",
-        zero["step"]["leanstate"],
+        zero["steps"]["leanstate"],
         "torch ZeRO",
-        zero["step"]["torch"],
-        (">=", 1.0),
+        zero["steps"]["torch"],
+        (">=", 1.05),
         name="reference",
     )
     add(
@@ -675,6 +818,16 @@ def report(
     )
     add(
         "zero",
+        "consolidate s (~32 MiB/rank)",
+        consolidate["leanstate"],
+        "budget s",
+        0.1,
+        ("<=", 1.0),
+        time=False,
+        name="reference",
+    )
+    add(
+        "zero",
         "state MiB on rank 0",
         zero["state_bytes"] / 2**20,
         "total / world",
@@ -685,6 +838,7 @@ def report(
     )
     ids = 4096 if quick else 16_384
     exchange = {"steps": 2, "ids": ids} if quick else {}
+    embedding = leanstate.backend_info().chosen["embedding"]
     single = sharded_comparison(1, **exchange)
     for world in (1, 2) if quick else (1, 2, 3):
         run = single if world == 1 else sharded_comparison(world, **exchange)
@@ -696,23 +850,48 @@ def report(
             ids / single["step"],
             None,
             time=False,
-            name=leanstate.backend_info().chosen["embedding"],
+            name=embedding,
         )
-        if world > 1:
-            add(
-                "sharded",
-                f"bytes exchanged / minimum, {world} ranks",
-                run["bytes"],
-                "distinct ids x (row + grad)",
-                run["min_bytes"],
-                ("<=", 1.1),
-                time=False,
-                name=leanstate.backend_info().chosen["embedding"],
-            )
+        if world == 1:
+            continue
+        add(
+            "sharded",
+            f"CPU s per lookup+update, all {world} ranks",
+            run["cpu_per_id"],
+            "1 rank",
+            single["cpu_per_id"],
+            ("<=", 1.5) if world == 2 else None,
+            time=False,
+            name=embedding,
+        )
+        add(
+            "sharded",
+            f"bytes exchanged / minimum, {world} ranks",
+            run["bytes"],
+            "distinct ids x (row + grad)",
+            run["min_bytes"],
+            ("<=", 1.1),
+            time=False,
+            name=embedding,
+        )
+        if world == 2:  # where a step's time goes, per rank (the 1-rank run beside it)
+            for phase, seconds in run["phases"].items():
+                add(
+                    "sharded",
+                    f"{phase} s per step, 2 ranks",
+                    seconds,
+                    "1 rank",
+                    single["phases"].get(phase, float("nan")),
+                    None,
+                    time=False,
+                    name=embedding,
+                )
     return [dict(zip(COLUMNS, line, strict=True)) for line in lines]
 
 
-COLUMNS = ("component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "target", "met")
+COLUMNS = (
+    "component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "spread", "target", "met",
+)  # fmt: skip
 
 
 def format_table(rows: list[dict]) -> str:
@@ -744,7 +923,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     labels = [f"{r['component']}: {r['measure']} [{r['backend']}]" for r in rows]
     figure, axes = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
-    colours = {"yes": "tab:green", "no": "tab:red", "-": "tab:gray"}
+    colours = {"yes": "tab:green", "no": "tab:red", "noisy": "tab:orange", "-": "tab:gray"}
     axes.barh(range(len(rows)), [r["ratio"] for r in rows], color=[colours[r["met"]] for r in rows])
     for i, r in enumerate(rows):
         if r["target"] != "-":
@@ -752,7 +931,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes.set_yticks(range(len(rows)), labels, fontsize=7)
     axes.invert_yaxis()
     axes.set_xscale("log")
-    axes.set_xlabel("ratio against the peer (black: target; green met, red missed, grey no target)")
+    axes.set_xlabel("median ratio against the peer (black: target; green met, red missed, orange noisy)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -23,6 +23,9 @@ Example (on every rank of an initialised process group)::
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -67,7 +70,8 @@ class _ShardedLookup(torch.autograd.Function):
             rows, plan = module._fetch(table, unique)
             ctx.plans.append(plan)
             bag = module.embedding_bags[table]
-            outputs.append(bag.engine.pool_rows(rows, inverse, ends, weights, bag.mode == "mean"))
+            with module._timed("pool"):
+                outputs.append(bag.engine.pool_rows(rows, inverse, ends, weights, bag.mode == "mean"))
         return tuple(outputs)
 
     @staticmethod
@@ -145,6 +149,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         for buckets, _ in self.bucketing.values():
             bucket_range(self.rank, self.world_size, buckets)  # checks world_size <= buckets
         self.exchange_stats = {"steps": 0, "bytes": 0, "min_bytes": 0}
+        self._seconds: defaultdict[str, float] = defaultdict(float)
 
     def extra_repr(self) -> str:
         return (
@@ -214,6 +219,15 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
 
     # -- the exchange ---------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """Add the block's wall time to ``_seconds[phase]`` (the bench's per-step breakdown)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[phase] += time.perf_counter() - start
+
     def _all_to_all(
         self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor
     ) -> torch.Tensor:
@@ -236,12 +250,15 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         owners = self.owner(table, unique)
         order = torch.argsort(owners, stable=True)
         send_counts = torch.bincount(owners, minlength=self.world_size)
-        recv_counts = self._all_to_all(send_counts, torch.ones(self.world_size, dtype=torch.int64),
-                                       torch.ones(self.world_size, dtype=torch.int64))  # fmt: skip
-        recv_ids = self._all_to_all(unique[order], send_counts, recv_counts)
-        served = bag.store.get(recv_ids, width=layout.dim)
-        # rows travel as their bytes: every collective backend moves uint8, not every one bfloat16
-        back = self._all_to_all(served.view(torch.uint8), recv_counts, send_counts).view(layout.dtype)
+        with self._timed("exchange"):
+            recv_counts = self._all_to_all(send_counts, torch.ones(self.world_size, dtype=torch.int64),
+                                           torch.ones(self.world_size, dtype=torch.int64))  # fmt: skip
+            recv_ids = self._all_to_all(unique[order], send_counts, recv_counts)
+        with self._timed("owner gather"):
+            served = bag.store.get(recv_ids, width=layout.dim)
+        with self._timed("exchange"):
+            # rows travel as their bytes: every collective backend moves uint8, not every one bfloat16
+            back = self._all_to_all(served.view(torch.uint8), recv_counts, send_counts).view(layout.dtype)
         rows = torch.empty_like(back)
         rows[order] = back
         self.exchange_stats["min_bytes"] += len(unique) * layout.dim * (layout.itemsize + 4)
@@ -250,9 +267,13 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
     def _push_gradients(self, table, unique, inverse, ends, weights, plan: _Plan, grad_output) -> None:
         """Send each distinct id's gradient to its owner, who sums and applies them."""
         bag = self.embedding_bags[table]
-        grad = bag.engine.row_gradients(len(unique), inverse, ends, weights, bag.mode == "mean", grad_output)
-        received = self._all_to_all(grad[plan.order], plan.send_counts, plan.recv_counts)
-        # received rows are in (source rank, position) order: each its own one-row bag
-        owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)
-        positions = torch.arange(len(received) + 1, dtype=torch.int64)
-        apply_gradient(bag, owned, owned_inverse, positions, None, received, mean=False)
+        with self._timed("gradient exchange"):
+            grad = bag.engine.row_gradients(
+                len(unique), inverse, ends, weights, bag.mode == "mean", grad_output
+            )
+            received = self._all_to_all(grad[plan.order], plan.send_counts, plan.recv_counts)
+        with self._timed("update"):
+            # received rows are in (source rank, position) order: each its own one-row bag
+            owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)
+            positions = torch.arange(len(received) + 1, dtype=torch.int64)
+            apply_gradient(bag, owned, owned_inverse, positions, None, received, mean=False)

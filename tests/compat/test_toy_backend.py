@@ -38,11 +38,13 @@ def test_the_toy_backend_has_its_rows_in_the_bench_with_its_declared_target(toy)
     toy_lines = [line for line in lines if line[2] == "toy"]
     assert [line[1] for line in toy_lines] == [
         "get 256 ids s",
+        "get(out=) 256 ids s",
         "set 256 ids s",
         "insert 256 ids s",
+        "reserve+insert 256 ids s",
         "memory bytes/row",
     ]
-    assert toy_lines[0][7] == ">= 0.0" and toy_lines[0][8] == "yes"
+    assert toy_lines[0][8] == ">= 0.0" and toy_lines[0][9] == "yes"
 
 
 def test_unregistering_removes_it():
