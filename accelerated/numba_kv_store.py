@@ -88,10 +88,23 @@ little below this size (16,384 ids x 128: 1.8 ms serial, 1.3 ms parallel).
 """
 
 
+_pool_started = False
+
+
 def use_threads(work: int) -> None:
     """Set this thread's numba thread count for a call that moves ``work`` elements: one
     below ``SERIAL_BELOW``, else ``torch.get_num_threads()`` (so ``OMP_NUM_THREADS``,
     ``torch.set_num_threads`` and torchrun's setting apply), capped by numba's pool."""
+    global _pool_started
+    if not _pool_started:
+        # Starting numba's OpenMP pool sets the OpenMP thread count of the whole process,
+        # torch's included (it reached torch's libgomp here): torch.set_num_threads(1)
+        # silently became 2, and 2 ranks on 2 cores spun 4 threads (3.7x the CPU per
+        # lookup of 1 rank). Put torch's own setting back.
+        wanted = torch.get_num_threads()
+        numba.get_num_threads()
+        torch.set_num_threads(wanted)
+        _pool_started = True
     threads = 1 if work < SERIAL_BELOW else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)

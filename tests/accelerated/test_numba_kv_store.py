@@ -211,3 +211,20 @@ def test_kernels_run_serially_when_small_and_follow_torch_threads_when_large():
             assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
     finally:
         torch.set_num_threads(torch_threads)
+
+
+def test_starting_numba_threads_leaves_torch_thread_count_as_it_was():
+    import subprocess
+    import sys
+
+    probe = """
+import ctypes, torch
+torch.set_num_threads(1)
+import leanstate
+store = leanstate.KVStore(8, backend="numba")
+store.set(torch.arange(100), torch.ones(100, 8))
+openmp = ctypes.CDLL("libgomp.so.1")  # the OpenMP runtime torch loaded first
+print(torch.get_num_threads(), openmp.omp_get_max_threads())
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "1"]
