@@ -157,15 +157,6 @@ def _probe(table_keys, table_blocks, key):
     return -1
 
 
-@njit(nogil=True, cache=True, parallel=True)
-def _lookup(table_keys, table_blocks, ids):
-    """Block of every id: -1 missing, -2 negative (padding)."""
-    out = np.empty(ids.shape[0], dtype=np.int64)
-    for i in prange(ids.shape[0]):
-        out[i] = _probe(table_keys, table_blocks, ids[i])
-    return out
-
-
 @intrinsic
 def _prefetch(typingctx, array, index):
     """Ask the CPU to start loading ``array.flat[index]``'s cache line (a hint: no effect on results)."""
@@ -206,6 +197,25 @@ def _prefetch_home(table_keys, table_blocks, key, mask):
         s = _home(key, mask)
         _prefetch(table_keys, s)
         _prefetch(table_blocks, s)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _lookup(table_keys, table_blocks, ids):
+    """Block of every id: -1 missing, -2 negative (padding); each task prefetches the
+    table slots ``_AHEAD`` ids ahead of its probe (the table is far bigger than the caches)."""
+    n = ids.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    mask = table_keys.shape[0] - 1
+    for chunk in prange((n + _GATHER_CHUNK - 1) // _GATHER_CHUNK):
+        lo = chunk * _GATHER_CHUNK
+        hi = min(n, lo + _GATHER_CHUNK)
+        for i in range(lo, min(hi, lo + _AHEAD)):
+            _prefetch_home(table_keys, table_blocks, ids[i], mask)
+        for i in range(lo, hi):
+            if i + _AHEAD < hi:
+                _prefetch_home(table_keys, table_blocks, ids[i + _AHEAD], mask)
+            out[i] = _probe(table_keys, table_blocks, ids[i])
+    return out
 
 
 @njit(nogil=True, cache=True)
