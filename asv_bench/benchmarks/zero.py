@@ -1,8 +1,8 @@
 """ZeRO beside torch.distributed.optim.ZeroRedundancyOptimizer, interleaved in one run.
 
 8 x Linear(1024, 1024), Adam, batch 32, 2 gloo ranks on 127.0.0.1, bucket views.
-Targets: step time <= 1.0 x torch's; broadcasts per step = world size; consolidation of
-~32 MiB of state per rank <= 0.3 s; state bytes per rank = total / world within one
+Targets: step time <= 1/1.05 x torch's; broadcasts per step = world size; consolidation of
+~32 MiB of state per rank <= 0.1 s; state bytes per rank = total / world within one
 parameter's state.
 """
 
@@ -16,7 +16,7 @@ class ZeroVersusTorch:
         return zero_comparison(world=2, steps=10)
 
     def track_step_cost_vs_torch(self, result):
-        """Median step time / torch's (target <= 1.0)."""
+        """Median step time / torch's (target <= 1 / 1.05: 1.05x the throughput)."""
         return result["step"]["leanstate"] / result["step"]["torch"]
 
     track_step_cost_vs_torch.unit = "ratio"
@@ -28,7 +28,7 @@ class ZeroVersusTorch:
     track_broadcasts_per_step.unit = "collectives"
 
     def track_consolidate_seconds(self, result):
-        """consolidate_state_dict of ~32 MiB per rank (target <= 0.3 s)."""
+        """consolidate_state_dict of ~32 MiB per rank (target <= 0.1 s)."""
         return result["consolidate"]["leanstate"]
 
     track_consolidate_seconds.unit = "seconds"
