@@ -523,6 +523,17 @@ def test_a_checkpoint_saved_across_ranks_loads_into_a_plain_collection(runs, fol
     assert plain.extra_state() == single.extra_state()
 
 
+def test_id_range_is_refused_for_version_2_and_beside_process_group(runs, folder):
+    """``id_range`` selects rows of a version-1 checkpoint only: for version 2 (buckets
+    decide) and beside ``process_group`` it is an error naming it, and nothing is loaded."""
+    plain = KVEmbeddingBagCollection(configs(), clock=lambda: 1000)
+    with pytest.raises(ValueError, match="id_range applies to version-1 checkpoints; this one is version 2"):
+        load_checkpoint(folder / "w2", plain.checkpoint_tables(), id_range=(0, 10))
+    assert all(len(bag.store) == 0 for bag in plain.embedding_bags.values())
+    with pytest.raises(ValueError, match="id_range and process_group exclude each other"):
+        load_checkpoint(folder / "w2", plain.checkpoint_tables(), id_range=(0, 10), process_group=object())
+
+
 def test_a_sharded_modules_tables_without_process_group_say_so(runs, folder):
     sharded_tables = {
         "t.weight": sharded_checkpoint.BucketedTable(

@@ -478,3 +478,19 @@ def test_size_classes_are_exact_for_powers_of_two():
         16384,
         2**20,
     ]
+
+
+def test_the_offload_threshold_keeps_only_tensors_strictly_below_it(host_as_device):
+    """``min_offload_bytes``: a saved tensor of exactly that size is offloaded, one element
+    less stays (the spec's strict ``nbytes < min_offload_bytes``)."""
+
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x  # saves x for backward
+
+    for elements, offloaded in ((64, True), (63, False)):
+        wrapped = offload_wrapper(Square(), min_offload_bytes=64 * 4)
+        x = torch.randn(elements, requires_grad=True)
+        wrapped(x).sum().backward()
+        assert (wrapped.stats.offloaded_bytes > 0) == offloaded, elements
+        assert torch.equal(x.grad, 2 * x.detach())

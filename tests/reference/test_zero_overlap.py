@@ -71,7 +71,45 @@ def overlap_without_hooks_waits(rank, world, folder):
         assert torch.equal(p, q)
 
 
+def every_method_waits_first(rank, world, folder):
+    """Each method that touches parameters or state (spec/zero.md) waits for every broadcast
+    in flight before anything else: one dropped wait fails here, on any rank."""
+    cls, kwargs = OPTIMIZERS["adam"]
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), cls, parameters_as_bucket_view=True, overlap_broadcast=True, **kwargs
+    )
+    zero.overlap_with(model)
+    plain_model = make_model()
+    plain = cls(plain_model.parameters(), **kwargs)
+    backward(plain_model, batch(0, rank))
+    plain.step()
+    calls = []
+    wait = zero._wait
+
+    def spy(ranks=None):
+        calls.append((ranks, bool(zero._pending)))
+        wait(ranks)
+
+    zero._wait = spy
+    methods = {
+        "step": zero.step,
+        "consolidate_state_dict": lambda: zero.consolidate_state_dict(to=0),
+        "clip_grad_norm_": lambda: zero.clip_grad_norm_(1.0),
+        "load_state_dict": lambda: zero.load_state_dict(plain.state_dict()),
+        "add_param_group": lambda: zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]}),
+    }
+    for name, method in methods.items():
+        backward(model, batch(1, rank))
+        zero.step()  # its broadcasts stay in flight: the pre-forward waits are installed
+        assert zero._pending, name
+        calls.clear()
+        method()
+        assert calls[:1] == [(None, True)], (name, calls)  # first: wait for all, with some in flight
+
+
 SCENARIOS = {
+    "every-method-waits": every_method_waits_first,
     "overlap-parity": overlap_parity,
     "no-overlap": no_overlap_matches_reference,
     "overlap-without-hooks": overlap_without_hooks_waits,
