@@ -447,7 +447,7 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim:
         )  # fmt: skip
         if step == 2:
             ebc.exchange_stats.update(bytes=0, min_bytes=0)
-            ebc._seconds.clear()
+            ebc.exchange_stats["seconds"].clear()
             cpu = time.process_time()
         dist.barrier()
         start = time.perf_counter()
@@ -456,9 +456,9 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim:
         if step >= 2:
             times.append(time.perf_counter() - start)
     cpu = time.process_time() - cpu  # every thread of this rank, barriers' waits included
-    phases = sorted(ebc._seconds)
+    phases = sorted(ebc.exchange_stats["seconds"])
     totals = torch.tensor([ebc.exchange_stats["bytes"], ebc.exchange_stats["min_bytes"]], dtype=torch.float64)
-    seconds = torch.tensor([cpu] + [ebc._seconds[p] for p in phases], dtype=torch.float64)
+    seconds = torch.tensor([cpu] + [ebc.exchange_stats["seconds"][p] for p in phases], dtype=torch.float64)
     dist.all_reduce(totals)
     dist.all_reduce(seconds)
     if rank == 0:

@@ -102,7 +102,9 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
     ``KeyedTensor`` for it. ``embedding_bags[name]`` is this rank's share of a table (a
     ``KVEmbeddingBag`` holding only owned rows). ``exchange_stats`` counts the bytes this
     rank sent (``bytes``) and its share of the minimum (``min_bytes``: its distinct ids
-    times a weight row and a float32 gradient row).
+    times a weight row and a float32 gradient row), the steps (``steps``) and the wall
+    seconds spent in each phase of them (``seconds``: exchange, owner gather, pool,
+    gradient exchange, update).
     """
 
     def __init__(
@@ -148,8 +150,7 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         }
         for buckets, _ in self.bucketing.values():
             bucket_range(self.rank, self.world_size, buckets)  # checks world_size <= buckets
-        self.exchange_stats = {"steps": 0, "bytes": 0, "min_bytes": 0}
-        self._seconds: defaultdict[str, float] = defaultdict(float)
+        self.exchange_stats = {"steps": 0, "bytes": 0, "min_bytes": 0, "seconds": defaultdict(float)}
 
     def extra_repr(self) -> str:
         return (
@@ -221,12 +222,12 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
-        """Add the block's wall time to ``_seconds[phase]`` (the bench's per-step breakdown)."""
+        """Add the block's wall time to ``exchange_stats["seconds"][phase]``."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._seconds[phase] += time.perf_counter() - start
+            self.exchange_stats["seconds"][phase] += time.perf_counter() - start
 
     def _all_to_all(
         self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor
