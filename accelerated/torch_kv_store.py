@@ -418,10 +418,16 @@ class KVStoreEngine:
         with self.lock:
             # rows inserted here keep their initial weights only where the values leave them
             blocks = self._blocks_for(unique, initial=not covers_weights)
-            if every and len(unique) == len(ids):  # distinct ids: write the values where they are
-                self.rows[:, start:end].index_copy_(0, blocks[inverse], values)
+            columns = self.rows[:, start:end]
+            if every:
+                # every value where it is (no [N, w] copy of the values), then the ids that
+                # occur more than once rewritten from their last occurrence, which wins
+                columns.index_copy_(0, blocks[inverse], values)
+                repeated = torch.nonzero(occurrences > 1).flatten()
+                if len(repeated):
+                    columns.index_copy_(0, blocks[repeated], values[last[repeated]])
             else:  # the last occurrence of each id wins
-                self.rows[:, start:end].index_copy_(0, blocks, values[last if every else kept[last]])
+                columns.index_copy_(0, blocks, values[kept[last]])
             header = header_words(self.rows)
             rows = header.index_select(0, blocks)  # only the headers are read back
             rows[:, 0] = unique  # a row inserted without its initial row has no key yet

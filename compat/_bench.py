@@ -566,7 +566,7 @@ def _line(component, measure, backend, ours, peer_name, peer, target, *, time=Tr
     ours = ours if isinstance(ours, list) else [ours]
     peer = peer if isinstance(peer, list) else [peer] * len(ours)
     ratios = [(p / o if time else o / p) for o, p in zip(ours, peer, strict=True)]
-    spread = f"{min(ratios):.3g}..{max(ratios):.3g}" if len(ratios) > 1 else f"{ratios[0]:.3g}"
+    spread = f"{min(ratios):.4g}..{max(ratios):.4g}" if len(ratios) > 1 else f"{ratios[0]:.4g}"
     shown = "-" if target is None else f"{target[0]} {target[1]}"
     return (
         component, measure, backend, statistics.median(ours), peer_name, statistics.median(peer),

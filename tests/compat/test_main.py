@@ -81,7 +81,7 @@ def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():
             ratio = words[-4] if verdict == "-" else words[-5]
             assert verdict in ("yes", "no", "noisy", "-"), line
             low, high = (float(x) for x in spread.split("..")) if ".." in spread else (float(spread),) * 2
-            assert 0 < low * 0.999 <= float(ratio) <= high * 1.001, line  # spread: 3 digits
+            assert 0 < low <= float(ratio) <= high, line  # both to 4 significant digits
     # every store backend is measured, and the accelerated ones carry targets
     for backend in ("reference", "numba"):
         assert sum(f"{backend} " in line and "index_" in line for line in rows) == 5
