@@ -187,7 +187,7 @@ def _prefetch(typingctx, array, index):
     return types.void(array, index), codegen
 
 
-_GATHER_CHUNK = 1024  # ids per task of the parallel gather
+_GATHER_CHUNK = 1024  # ids per task of the prefetching lookup and gather
 _AHEAD = 8  # ids between a probe and the copy of its row (measured best of 4..32 at 1M rows)
 
 
