@@ -47,7 +47,7 @@ def _give_back(buffer: np.ndarray) -> None:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor, on a recycled buffer when it is large."""
     global _idle_bytes
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     size = _size_class(nbytes)
