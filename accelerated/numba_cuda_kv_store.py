@@ -11,8 +11,8 @@ hash constants. The engine keeps, on its device,
   last-in-first-out free list (the torch engine's ``RowPool``).
 
 A batch of new ids is placed by rounds of bidding, so the table does not depend on
-thread order: every pending id bids for its current slot with ``cuda.atomic.min``; the
-smallest bidder for a free slot takes it, the others move one slot on. Lookups,
+thread order: every pending id bids for its current slot with ``cuda.atomic.max``; the
+largest bidder for a free slot takes it (the no-bid sentinel is -1, which no id equals), the others move one slot on. Lookups,
 gathers, scatters, whole-row writes, metadata, key listing, deletes and the eviction
 decision are kernels; sorting and deduplicating ids are torch ops on the same device.
 Kernels move rows as raw words (int64 headers, element-wide columns), so they never
@@ -49,7 +49,7 @@ if SIMULATED:  # the simulator runs kernels as Python: uint64 wrap-around warns 
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning, __name__)
 
 _EMPTY, _TOMBSTONE = -1, -2
-_NO_BID = np.int64(2**63 - 1)
+_NO_BID = np.int64(-1)  # below every id: ids are non-negative, so no id is mistaken for it
 _USED = np.int64(-(2**63))
 _STAMP_BITS = np.int64(0xFFFFFFFF)
 _COUNT_MAX = np.int64(COUNT_MAX)
@@ -175,12 +175,12 @@ def _k_bid(table_keys, bids, position, keys, placed):
     """Each pending id bids for its slot when the slot is free (empty or a tombstone)."""
     i = cuda.grid(1)
     if i < keys.shape[0] and not placed[i] and table_keys[position[i]] < 0:
-        cuda.atomic.min(bids, position[i], keys[i])
+        cuda.atomic.max(bids, position[i], keys[i])
 
 
 @cuda.jit
 def _k_settle(table_keys, table_blocks, bids, position, keys, blocks, placed, reused, pending):
-    """The smallest bidder takes its free slot; the others move one slot on."""
+    """The largest bidder takes its free slot; the others move one slot on."""
     i = cuda.grid(1)
     if i >= keys.shape[0] or placed[i]:
         return
@@ -393,7 +393,7 @@ class KVStoreEngine:
         return out
 
     def _place(self, keys: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Put distinct absent ``keys`` in the table: rounds of bids, smallest id first."""
+        """Put distinct absent ``keys`` in the table: rounds of bids, largest id first."""
         n = len(keys)
         position = torch.empty(n, dtype=torch.int64, device=self.device)
         placed = torch.zeros(n, dtype=torch.bool, device=self.device)

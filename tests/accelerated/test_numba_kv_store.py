@@ -131,7 +131,8 @@ def test_reserve_faults_the_rows_in_and_the_inserts_that_follow_stay_in_place():
 
 
 def test_rows_faulted_in_ahead_are_bounded_and_change_no_result():
-    stores = [KVStore(8, optimizer_state_dim=1, backend=b) for b in ("numba", "reference")]
+    clock = FakeClock()  # one clock: two stores stamping across a second's tick would differ
+    stores = [KVStore(8, optimizer_state_dim=1, backend=b, clock=clock) for b in ("numba", "reference")]
     batch = 8192
     for start in range(0, 40 * 1024 + 8 * batch, batch):
         ids = torch.arange(start, start + batch)

@@ -33,3 +33,23 @@ def check_backend(backend: str, examples: int = 80) -> None:
 def test_engine_matches_the_reference(backend):
     # the simulator runs each kernel thread as Python: fewer runs, the same machine
     check_backend(backend, examples=20 if backend == "numba-cuda" else 80)
+
+
+EDGE_IDS = [7, 2**63 - 1, 0, 1, 2**62, 2**63 - 2, 48]
+
+
+@pytest.mark.parametrize("backend", ACCELERATED)
+def test_edge_ids_one_at_a_time_match_the_reference(backend):
+    """The largest ids arrive alone after a small one: none may take another id's slot
+    (numba-cuda's "no bid" value was once 2**63-1, which is also an id)."""
+    import torch
+
+    stores = [KVStore(3, backend=b, seed=1) for b in ("reference", backend)]
+    for n, key in enumerate(EDGE_IDS):
+        for store in stores:
+            store.set(torch.tensor([key]), torch.full((1, 3), float(n)))
+        reference, engine = stores
+        ids = torch.tensor(EDGE_IDS)
+        assert torch.equal(engine.keys(), reference.keys()), (backend, key)
+        assert torch.equal(engine.contains(ids), reference.contains(ids)), (backend, key)
+        assert torch.equal(engine.get(ids), reference.get(ids)), (backend, key)

@@ -31,19 +31,30 @@ def test_eviction_racing_writers_loses_no_update(backend):
     exactly one of the id's sets away: for every id, its final count (0 when absent)
     is its number of sets minus the times it was evicted. A lost update (a row deleted
     after a write raised its count) breaks that equality.
+
+    The interleaving does not depend on the machine's load: every writer waits after its
+    first round until the evictor has made one pass, which evicts those rows (count 1);
+    after that, writers and evictor race freely.
     """
     store = KVStore(4, num_shards=4, backend=backend, clock=FakeClock())
     # the simulator runs a Python thread per kernel thread: fewer rounds, the same races
     writers, ids_per_writer, rounds = 3, 40, (30 if backend == "numba-cuda" else 80)
     evicted: list[int] = []
     done = threading.Event()
+    first_round = threading.Barrier(writers + 1)  # passed twice: round 0 written, first pass made
 
     def write(w):
         ids = torch.arange(w * 1000, w * 1000 + ids_per_writer)
         for r in range(rounds):
             store.set(ids[r % 4 :: 4], torch.full((ids_per_writer // 4, 4), float(r)))
+            if r == 0:
+                first_round.wait()
+                first_round.wait()
 
     def evict():
+        first_round.wait()
+        evicted.extend(store.evict(min_count=2).tolist())
+        first_round.wait()
         while not done.is_set():
             evicted.extend(store.evict(min_count=2).tolist())
 
@@ -62,7 +73,8 @@ def test_eviction_racing_writers_loses_no_update(backend):
         sets = rounds // 4 + (torch.arange(ids_per_writer) % 4 < rounds % 4).to(torch.int64)
         for i, key in enumerate(ids.tolist()):
             assert int(count[i]) == int(sets[i]) - evicted.count(key), (key, int(count[i]), int(sets[i]))
-    assert len(evicted) > 0  # the race happened: rows with one set were evicted
+    first_pass = [w * 1000 + i for w in range(writers) for i in range(0, ids_per_writer, 4)]
+    assert set(first_pass) <= set(evicted)  # the forced first pass evicted every round-0 row
 
 
 # -- bad input ------------------------------------------------------------------------
