@@ -26,9 +26,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-from leanstate.accelerated.numba_cuda_kv_store import (
-    DEVICES,
-    KVStoreEngine,
+from leanstate.accelerated._numba_cuda_kv_kernels import (
     add,
     device_array,
     div,
@@ -37,7 +35,8 @@ from leanstate.accelerated.numba_cuda_kv_store import (
     sqrt,
     unavailable,
 )
-from leanstate.accelerated.numba_embedding import WidenedRows
+from leanstate.accelerated._widened_rows import WidenedRows
+from leanstate.accelerated.numba_cuda_kv_store import DEVICES, KVStoreEngine
 from leanstate.reference.row_format import COUNT_MAX
 
 AUTO_PRIORITY = {"cuda": 25}

@@ -41,22 +41,28 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from leanstate.accelerated import _host_buffers
+from leanstate.accelerated._numba_kv_kernels import (
+    EMPTY,
+    U64,
+    gather_metadata,
+    init_fresh,
+    initial_weights,
+    insert_missing,
+    live,
+    lookup,
+    lookup_gather,
+    mark_last_rows,
+    mark_last_writers,
+    rebuild,
+    remove,
+    write_columns,
+    write_rows,
+)
 from leanstate.accelerated._pages import populate
-from leanstate.reference.hashing import INIT_BITS
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
-_EMPTY = -1
-_TOMBSTONE = -2
-_USED = np.int64(-(2**63))  # bit 63 of the metadata word
-_STAMP_BITS = np.int64(0xFFFFFFFF)
-_COUNT_MAX = np.int64(COUNT_MAX)
-_U64 = np.uint64
 POOL_STEP_ROWS = 1024
 _HUGE_PAGE_RESERVE_BYTES = 64 * 2**20
 _HEADROOM_DIVISOR = 32  # rows faulted in ahead of need: at most 1/32 of the pool (memory)
@@ -108,334 +114,6 @@ def use_threads(work: int) -> None:
     threads = 1 if work < SERIAL_BELOW else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
-
-
-# -- hashing -----------------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True)
-def _splitmix64(x):
-    z = x + _U64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _initial_weights(ids, dim, seed, low, high):
-    """float32 [len(ids), dim] initial weights: ``spec/kv_store.md`` restated per element."""
-    out = np.empty((ids.shape[0], dim), dtype=np.float32)
-    seeded = _splitmix64(seed)
-    span = np.float32(np.float32(high) - np.float32(low))
-    low32 = np.float32(low)
-    scale = np.float32(1.0 / 2**INIT_BITS)
-    for i in prange(ids.shape[0]):
-        per_key = _splitmix64(_U64(ids[i]) ^ seeded)
-        for c in range(dim):
-            bits = _splitmix64(per_key ^ _U64(c))
-            u = np.float32(bits >> _U64(64 - INIT_BITS)) * scale
-            out[i, c] = np.float32(span * u) + low32
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _home(key, mask):
-    return np.int64(_splitmix64(_U64(key)) & _U64(mask))
-
-
-@njit(nogil=True, cache=True)
-def _probe(table_keys, table_blocks, key):
-    """Block of ``key``, or -1 when it is absent (-2 for a negative key)."""
-    if key < 0:
-        return -2
-    mask = table_keys.shape[0] - 1
-    s = _home(key, mask)
-    while table_keys[s] != _EMPTY:
-        if table_keys[s] == key:
-            return np.int64(table_blocks[s])
-        s = (s + 1) & mask
-    return -1
-
-
-@intrinsic
-def _prefetch(typingctx, array, index):
-    """Ask the CPU to start loading ``array.flat[index]``'s cache line (a hint: no effect on results)."""
-
-    def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        data = context.make_array(array_type)(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(context, builder, array_type, data, [args[1]], wraparound=False)
-        byte_pointer = ir.IntType(8).as_pointer()
-        int32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
-            "llvm.prefetch.p0",
-        )
-        # read, keep in every cache level, data cache
-        builder.call(
-            function,
-            [
-                builder.bitcast(pointer, byte_pointer),
-                ir.Constant(int32, 0),
-                ir.Constant(int32, 3),
-                ir.Constant(int32, 1),
-            ],
-        )
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
-
-
-_GATHER_CHUNK = 1024  # ids per task of the prefetching lookup and gather
-_AHEAD = 8  # ids between a probe and the copy of its row (measured best of 4..32 at 1M rows)
-
-
-@njit(nogil=True, cache=True)
-def _prefetch_home(table_keys, table_blocks, key, mask):
-    if key >= 0:
-        s = _home(key, mask)
-        _prefetch(table_keys, s)
-        _prefetch(table_blocks, s)
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _lookup(table_keys, table_blocks, ids):
-    """Block of every id: -1 missing, -2 negative (padding); each task prefetches the
-    table slots ``_AHEAD`` ids ahead of its probe (the table is far bigger than the caches)."""
-    n = ids.shape[0]
-    out = np.empty(n, dtype=np.int64)
-    mask = table_keys.shape[0] - 1
-    for chunk in prange((n + _GATHER_CHUNK - 1) // _GATHER_CHUNK):
-        lo = chunk * _GATHER_CHUNK
-        hi = min(n, lo + _GATHER_CHUNK)
-        for i in range(lo, min(hi, lo + _AHEAD)):
-            _prefetch_home(table_keys, table_blocks, ids[i], mask)
-        for i in range(lo, hi):
-            if i + _AHEAD < hi:
-                _prefetch_home(table_keys, table_blocks, ids[i + _AHEAD], mask)
-            out[i] = _probe(table_keys, table_blocks, ids[i])
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _place(table_keys, table_blocks, key, block):
-    """Put an absent key in the first free or dead slot of its probe path; True if dead."""
-    mask = table_keys.shape[0] - 1
-    s = _home(key, mask)
-    while table_keys[s] >= 0:
-        s = (s + 1) & mask
-    dead = table_keys[s] == _TOMBSTONE
-    table_keys[s] = key
-    table_blocks[s] = block
-    return dead
-
-
-@njit(nogil=True, cache=True)
-def _rebuild(table_keys, table_blocks, capacity):
-    new_keys = np.full(capacity, _EMPTY, dtype=np.int64)
-    new_blocks = np.zeros(capacity, dtype=np.int32)
-    for s in range(table_keys.shape[0]):
-        if table_keys[s] >= 0:
-            _place(new_keys, new_blocks, table_keys[s], table_blocks[s])
-    return new_keys, new_blocks
-
-
-@njit(nogil=True, cache=True)
-def _insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, handed_out, fresh):
-    """Give every id with block -1 a block, in batch order (a repeat finds the first's).
-
-    ``fresh`` receives the positions of the ids that were inserted (``_init_fresh``
-    writes their headers). Returns (free_top, handed_out, inserted, dead slots reused).
-    """
-    inserted = 0
-    reused = 0
-    mask = table_keys.shape[0] - 1
-    for i in range(min(ids.shape[0], _AHEAD)):
-        if blocks[i] == -1:
-            _prefetch_home(table_keys, table_blocks, ids[i], mask)
-    for i in range(ids.shape[0]):
-        # the table is far bigger than the caches: start loading a later id's slot now
-        if i + _AHEAD < ids.shape[0] and blocks[i + _AHEAD] == -1:
-            _prefetch_home(table_keys, table_blocks, ids[i + _AHEAD], mask)
-        if blocks[i] != -1:
-            continue
-        block = _probe(table_keys, table_blocks, ids[i])
-        if block < 0:
-            if free_top > 0:
-                free_top -= 1
-                block = free[free_top]
-            else:
-                block = handed_out
-                handed_out += 1
-            if _place(table_keys, table_blocks, ids[i], block):
-                reused += 1
-            fresh[inserted] = i
-            inserted += 1
-        blocks[i] = block
-    return free_top, handed_out, inserted, reused
-
-
-@njit(nogil=True, cache=True)
-def _init_fresh(words, ids, blocks, fresh):
-    """Header (key, used) of each freshly inserted row; the rest keeps the pool's zeros.
-
-    Serial on purpose: this is the first touch of new pool pages, and page faults from
-    several threads of one process contend in the kernel (measured 2.6x slower).
-    """
-    for k in range(fresh.shape[0]):
-        i = fresh[k]
-        words[blocks[i], 0] = ids[i]
-        words[blocks[i], 1] = _USED
-
-
-# -- reads -------------------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _lookup_gather(table_keys, table_blocks, elems, ids, start, out, blocks):
-    """``blocks[i]`` = block of ``ids[i]`` (as ``_lookup``) and ``out[i]`` = its columns
-    ``[start, start + width)`` (zeros where the block is < 0).
-
-    A software pipeline per chunk of ids: the table slots of id ``i + 2 * _AHEAD`` and the
-    row of id ``i + _AHEAD`` are prefetched while row ``i`` is copied, so the random reads
-    of the table and the pool overlap instead of waiting one after another (measured at
-    1M rows: 3.1 ms instead of 4.7 ms for 65,536 ids).
-    """
-    n = ids.shape[0]
-    width = out.shape[1]
-    row_elems = elems.shape[1]
-    flat = elems.reshape(-1)
-    mask = table_keys.shape[0] - 1
-    line = 64 // elems.itemsize  # elements per 64-byte cache line
-    lines = (width + line - 1) // line
-    for chunk in prange((n + _GATHER_CHUNK - 1) // _GATHER_CHUNK):
-        lo = chunk * _GATHER_CHUNK
-        hi = min(n, lo + _GATHER_CHUNK)
-        for i in range(lo, min(hi, lo + 2 * _AHEAD)):
-            _prefetch_home(table_keys, table_blocks, ids[i], mask)
-        for i in range(lo, min(hi, lo + _AHEAD)):
-            b = _probe(table_keys, table_blocks, ids[i])
-            blocks[i] = b
-            if b >= 0:
-                for k in range(lines):
-                    _prefetch(flat, b * row_elems + start + k * line)
-        for i in range(lo, hi):
-            if i + 2 * _AHEAD < hi:
-                _prefetch_home(table_keys, table_blocks, ids[i + 2 * _AHEAD], mask)
-            ahead = i + _AHEAD
-            if ahead < hi:
-                b = _probe(table_keys, table_blocks, ids[ahead])
-                blocks[ahead] = b
-                if b >= 0:
-                    for k in range(lines):
-                        _prefetch(flat, b * row_elems + start + k * line)
-            b = blocks[i]
-            if b >= 0:
-                out[i, :] = elems[b, start : start + width]
-            else:
-                out[i, :] = 0
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _gather_metadata(words, blocks):
-    out = np.zeros(blocks.shape[0], dtype=np.int64)
-    for i in prange(blocks.shape[0]):
-        if blocks[i] >= 0:
-            out[i] = words[blocks[i], 1]
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _live(table_keys, table_blocks, size):
-    keys = np.empty(size, dtype=np.int64)
-    blocks = np.empty(size, dtype=np.int64)
-    n = 0
-    for s in range(table_keys.shape[0]):
-        if table_keys[s] >= 0:
-            keys[n] = table_keys[s]
-            blocks[n] = table_blocks[s]
-            n += 1
-    return keys, blocks
-
-
-# -- writes ------------------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True)
-def _mark_last_writers(words, blocks, winner):
-    """Backward pass: ``winner[i]`` for the last occurrence of each block.
-
-    While the call runs, a marked row has ``used`` cleared and its occurrence count in
-    the timestamp bits; every present row has ``used`` set before the call.
-    """
-    for i in range(blocks.shape[0] - 1, -1, -1):
-        b = blocks[i]
-        if b < 0:
-            winner[i] = False
-            continue
-        meta = words[b, 1]
-        if meta < 0:  # used: not seen yet from the back
-            winner[i] = True
-            words[b, 1] = (meta & ~_USED & ~_STAMP_BITS) | 1
-        else:
-            winner[i] = False
-            words[b, 1] = meta + 1
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _write_columns(elems, words, blocks, winner, values, start, now):
-    """Copy each winner's values into its row, then stamp ``now`` and add its occurrences."""
-    width = values.shape[1]
-    for i in prange(blocks.shape[0]):
-        if not winner[i]:
-            continue
-        b = blocks[i]
-        if width > 0:
-            elems[b, start : start + width] = values[i, :]
-        meta = words[b, 1]
-        count = min(((meta >> 32) & _COUNT_MAX) + (meta & _STAMP_BITS), _COUNT_MAX)
-        words[b, 1] = np.int64(now) | (count << 32) | _USED
-
-
-@njit(nogil=True, cache=True)
-def _mark_last_rows(words, blocks, winner):
-    """Backward pass for ``set_rows``: the last row of each block wins (marks: ``used`` cleared)."""
-    for i in range(blocks.shape[0] - 1, -1, -1):
-        b = blocks[i]
-        winner[i] = words[b, 1] < 0
-        words[b, 1] &= ~_USED
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _write_rows(words, blocks, winner, rows):
-    for i in prange(blocks.shape[0]):
-        if winner[i]:
-            b = blocks[i]
-            words[b, :] = rows[i, :]
-            words[b, 1] |= _USED
-
-
-@njit(nogil=True, cache=True)
-def _remove(table_keys, table_blocks, words, ids, free, free_top):
-    """Tombstone present ids, zero and free their blocks. Returns (removed, free_top)."""
-    removed = 0
-    mask = table_keys.shape[0] - 1
-    for i in range(ids.shape[0]):
-        if ids[i] < 0:
-            continue
-        s = _home(ids[i], mask)
-        while table_keys[s] != _EMPTY:
-            if table_keys[s] == ids[i]:
-                block = table_blocks[s]
-                table_keys[s] = _TOMBSTONE
-                words[block, :] = 0
-                free[free_top] = block
-                free_top += 1
-                removed += 1
-                break
-            s = (s + 1) & mask
-    return removed, free_top
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -522,7 +200,7 @@ class KVStoreEngine:
         self.seed = seed
         self.lock = _ReadersWriterLock()
         self._words_per_row = layout.row_bytes // 8
-        self.table_keys = np.full(_MIN_SLOTS, _EMPTY, dtype=np.int64)
+        self.table_keys = np.full(_MIN_SLOTS, EMPTY, dtype=np.int64)
         self.table_blocks = np.zeros(_MIN_SLOTS, dtype=np.int32)
         self.size = 0
         self.dead = 0
@@ -565,7 +243,7 @@ class KVStoreEngine:
             capacity = _MIN_SLOTS
             while 2 * (self.size + new) > capacity:
                 capacity *= 2
-            self.table_keys, self.table_blocks = _rebuild(self.table_keys, self.table_blocks, capacity)
+            self.table_keys, self.table_blocks = rebuild(self.table_keys, self.table_blocks, capacity)
             self.dead = 0
         row_bytes = self.layout.row_bytes
         rows_needed = self.handed_out + max(0, new - self.free_top)
@@ -613,7 +291,7 @@ class KVStoreEngine:
     def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), dim] initial weights in the row dtype."""
         low, high = self.init_range
-        weights = _initial_weights(ids.numpy(), self.layout.dim, _U64(self.seed & (2**64 - 1)), low, high)
+        weights = initial_weights(ids.numpy(), self.layout.dim, U64(self.seed & (2**64 - 1)), low, high)
         return torch.from_numpy(weights).to(self.layout.dtype)
 
     def _fill_initial(self, ids: torch.Tensor, blocks: np.ndarray, fresh: np.ndarray) -> None:
@@ -646,7 +324,7 @@ class KVStoreEngine:
         inserts the missing ids with their initial rows, header ``(key, used)``."""
         use_threads(len(ids) * self.layout.width)
         if not insert:
-            return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, ids.numpy()))
+            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()))
         blocks, fresh = self._locate_or_insert(ids)
         self._fill_initial(ids, blocks, fresh)
         return torch.from_numpy(blocks)
@@ -677,7 +355,7 @@ class KVStoreEngine:
             out = _host_buffers.empty((len(ids), width), self.layout.dtype)
         with self.lock.reading():
             blocks = np.empty(len(ids), dtype=np.int64)
-            _lookup_gather(
+            lookup_gather(
                 self.table_keys, self.table_blocks, self.elems, ids.numpy(), start, as_elements(out), blocks
             )
         if initial and width:
@@ -695,22 +373,22 @@ class KVStoreEngine:
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         use_threads(len(ids))
         with self.lock.reading():
-            return torch.from_numpy(_lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
+            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
 
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
         use_threads(len(ids))
         with self.lock.reading():
-            blocks = _lookup(self.table_keys, self.table_blocks, ids.numpy())
-            return torch.from_numpy(_gather_metadata(self.words, blocks))
+            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
+            return torch.from_numpy(gather_metadata(self.words, blocks))
 
     def keys(self) -> torch.Tensor:
         with self.lock.reading():
-            keys, _ = _live(self.table_keys, self.table_blocks, self.size)
+            keys, _ = live(self.table_keys, self.table_blocks, self.size)
         return torch.sort(torch.from_numpy(keys)).values
 
     def _live_sorted(self) -> tuple[torch.Tensor, np.ndarray]:
         """(ids ascending, their blocks); call with the lock held."""
-        keys, blocks = _live(self.table_keys, self.table_blocks, self.size)
+        keys, blocks = live(self.table_keys, self.table_blocks, self.size)
         order = np.argsort(keys, kind="stable")
         return torch.from_numpy(keys[order]), blocks[order]
 
@@ -722,12 +400,12 @@ class KVStoreEngine:
         Missing non-negative ids are inserted with header (key, used), zero columns.
         """
         keys = ids.numpy()
-        blocks = _lookup(self.table_keys, self.table_blocks, keys)
+        blocks = lookup(self.table_keys, self.table_blocks, keys)
         missing = int(np.count_nonzero(blocks == -1))
         fresh = np.empty(missing, dtype=np.int64)
         if missing:
             self._reserve(missing)
-            self.free_top, self.handed_out, inserted, reused = _insert_missing(
+            self.free_top, self.handed_out, inserted, reused = insert_missing(
                 self.table_keys,
                 self.table_blocks,
                 keys,
@@ -738,7 +416,7 @@ class KVStoreEngine:
                 fresh,
             )
             fresh = fresh[:inserted]
-            _init_fresh(self.words, keys, blocks, fresh)
+            init_fresh(self.words, keys, blocks, fresh)
             self.size += inserted
             self.dead -= reused
         return blocks, fresh
@@ -753,8 +431,8 @@ class KVStoreEngine:
             if not covers_weights:
                 self._fill_initial(ids, blocks, fresh)
             winner = np.empty(len(blocks), dtype=np.bool_)
-            _mark_last_writers(self.words, blocks, winner)
-            _write_columns(self.elems, self.words, blocks, winner, as_elements(values), start, now)
+            mark_last_writers(self.words, blocks, winner)
+            write_columns(self.elems, self.words, blocks, winner, as_elements(values), start, now)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         words = as_words(rows)
@@ -762,8 +440,8 @@ class KVStoreEngine:
         with self.lock.writing():
             blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
-            _mark_last_rows(self.words, blocks, winner)
-            _write_rows(self.words, blocks, winner, words)
+            mark_last_rows(self.words, blocks, winner)
+            write_rows(self.words, blocks, winner, words)
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
@@ -774,7 +452,7 @@ class KVStoreEngine:
             grown = np.empty(max(2 * len(self.free), self.free_top + len(ids)), dtype=np.int32)
             grown[: self.free_top] = self.free[: self.free_top]
             self.free = grown
-        removed, self.free_top = _remove(
+        removed, self.free_top = remove(
             self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top
         )
         self.size -= removed

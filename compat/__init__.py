@@ -17,6 +17,8 @@ Example::
 from importlib.metadata import PackageNotFoundError, version
 
 from leanstate._backends import BackendInfo, backend_info
+from leanstate._backends import register as register_backend
+from leanstate._backends import unregister as unregister_backend
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.embedding import (
     KeyedJaggedTensor,
@@ -26,13 +28,12 @@ from leanstate.embedding import (
     KVTableConfig,
 )
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import CheckpointError, row_wise_id_range
+from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout
-from leanstate.reference.sharded_checkpoint import last_load_stats
-from leanstate.reference.sharding import bucket_owner
+from leanstate.reference.sharding import bucket_owner, row_wise_id_range
 from leanstate.reference.wrappers import (
     ActivationWrapper,
     CheckpointImpl,
@@ -42,6 +43,7 @@ from leanstate.reference.wrappers import (
     checkpoint_wrapper,
 )
 from leanstate.reference.zero import ZeroRedundancyOptimizer
+from leanstate.sharded_checkpoint import last_load_stats
 from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 from leanstate.wrappers import offload_wrapper
 
@@ -76,7 +78,9 @@ __all__ = [
     "load_legacy_checkpoint",
     "offload_wrapper",
     "ZeroRedundancyOptimizer",
+    "register_backend",
     "row_wise_id_range",
     "save_checkpoint",
     "save_legacy_checkpoint",
+    "unregister_backend",
 ]

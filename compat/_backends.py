@@ -1,7 +1,10 @@
 """Backend registry and selection, per component, at import time.
 
 ``REGISTRY`` holds one line per (component, backend): the module that implements it
-(``spec/backends.md``). Each engine module describes itself:
+(``spec/backends.md``). Only components with more than one backend are here: the
+store, the embedding updates and the offload copier (``offload``); the checkpoint I/O,
+ZeRO and the wrappers are one implementation each. ``leanstate.register_backend`` is
+the public hook that adds a line. Each engine module describes itself:
 
 - ``DEVICES``: the device types it runs on (``("cpu",)``, ``("cuda",)``, ...);
 - ``AUTO_PRIORITY``: device type -> priority under ``auto`` (higher first; a device it
@@ -22,6 +25,7 @@ reason is kept for :func:`backend_info`.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -38,10 +42,8 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("embedding", "numba"): "leanstate.accelerated.numba_embedding",
     ("embedding", "numba-cuda"): "leanstate.accelerated.numba_cuda_embedding",
     ("embedding", "torch"): "leanstate.accelerated.torch_embedding",
-    ("checkpoint", "reference"): "leanstate.reference.checkpoint",
-    ("wrappers", "reference"): "leanstate.reference.wrappers",
-    ("wrappers", "torch"): "leanstate.accelerated.torch_wrappers",
-    ("zero", "reference"): "leanstate.reference.zero",
+    ("offload", "reference"): "leanstate.reference.wrappers",
+    ("offload", "torch"): "leanstate.accelerated.torch_wrappers",
 }
 
 
@@ -211,7 +213,8 @@ def resolve(component: str, backend: str | None) -> tuple[str, ModuleType]:
 
 
 def backend_info() -> BackendInfo:
-    """Which backend each component uses, why, and which backends load here.
+    """Which backend each component uses, why, and which backends load here: a snapshot
+    (changing it changes nothing; the selection itself is made once per component).
 
     Example::
 
@@ -234,7 +237,7 @@ def backend_info() -> BackendInfo:
         if CHOSEN.dependencies.get(backend, "available") == "available":
             CHOSEN.dependencies[backend] = state
     CHOSEN.dependencies["cuda"] = "present" if cuda_present() else "absent"
-    return CHOSEN
+    return copy.deepcopy(CHOSEN)
 
 
 CHOSEN = BackendInfo(requested=os.environ.get(ENV_VAR, "auto").strip() or "auto")

@@ -42,8 +42,7 @@ from leanstate._bag_steps import (
     table_inputs,
 )
 from leanstate.embedding import KeyedTensor, KVTableConfig
-from leanstate.reference.sharded_checkpoint import BucketedTable
-from leanstate.reference.sharding import bucket_owner, bucket_range
+from leanstate.reference.sharding import BucketedTable, bucket_owner, bucket_range
 
 
 class _Plan:

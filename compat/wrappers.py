@@ -25,13 +25,13 @@ def offload_wrapper(
     backend: str | None = None,
 ) -> OffloadWrapper:
     """Wrap ``module`` in an :class:`OffloadWrapper` whose copies use ``backend``'s copier
-    (default: the import-time choice for ``wrappers``). A no-op for CPU activations.
+    (default: the import-time choice for ``offload``). A no-op for CPU activations.
 
     Example::
 
         >>> model = offload_wrapper(model, pinned_budget_bytes=2**30)
     """
-    _, implementation = _backends.resolve("wrappers", backend)
+    _, implementation = _backends.resolve("offload", backend)
     return OffloadWrapper(
         module,
         pin_memory=pin_memory,

@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -396,11 +396,14 @@ class KVStoreEngine:
         return victims
 
 
-class KVStore(Protocol):
-    """What the reference's checkpoint, KVTensor and embedding code need of a store.
+@runtime_checkable
+class SupportsRows(Protocol):
+    """What a store offers the code that moves its rows: checkpoints, KVTensor, copies.
 
     ``leanstate.KVStore`` (the front class over any engine) is the implementation; the
-    reference names only this surface, so it imports nothing outside itself.
+    reference names only this surface, so it imports nothing outside itself. Being
+    runtime-checkable, ``isinstance(x, SupportsRows)`` is the one test of "is this a
+    store" everywhere (it checks that the members exist, not their signatures).
     """
 
     layout: RowLayout
@@ -410,5 +413,6 @@ class KVStore(Protocol):
     def set(self, ids: torch.Tensor, values: torch.Tensor, *, width_offset: int = 0) -> None: ...
     def get_rows(self, ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def set_rows(self, rows: torch.Tensor) -> None: ...
+    def delete(self, ids: torch.Tensor) -> None: ...
     def keys(self) -> torch.Tensor: ...
     def reserve(self, rows: int) -> None: ...

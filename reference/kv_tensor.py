@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from leanstate.reference.kv_store import KVStore
+from leanstate.reference.kv_store import SupportsRows
 
 DEFAULT_CHUNK_ROWS = 8192
 
@@ -42,7 +42,7 @@ class KVTensor:
 
     def __init__(
         self,
-        store: KVStore,
+        store: SupportsRows,
         *,
         ids: torch.Tensor | None = None,
         whole_rows: bool = False,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from leanstate.reference.kv_store import KVStore
+from leanstate.reference.kv_store import SupportsRows
 
 APPLY_CHUNK_ROWS = 10_000
 INDEX = "legacy.json"
@@ -36,7 +36,7 @@ def _write_tensor(file: Path, tensor: torch.Tensor) -> None:
         os.fsync(f.fileno())
 
 
-def save_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, KVStore]) -> Path:
+def save_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, SupportsRows]) -> Path:
     """Save each store as ``<name>.weight_id``, ``<name>.weight``, ``<name>.optimizer``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ def _read_tensor(file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
-def load_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, KVStore]) -> None:
+def load_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, SupportsRows]) -> None:
     """Load the old way: hold all three tensors of a table, then apply in 10,000-row chunks."""
     path = Path(path)
     index = json.loads((path / INDEX).read_text())

@@ -20,7 +20,11 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from leanstate.reference.kv_store import SupportsRows
 
 
 def _check(world_size: int | None, total_num_buckets: int, bucket_size: int | None) -> None:
@@ -80,3 +84,39 @@ def bucket_owner(
     buckets = bucket_of(ids, total_num_buckets=total_num_buckets, bucket_size=bucket_size)
     owners = owner_of_bucket(buckets, world_size=world_size, total_num_buckets=total_num_buckets)
     return torch.where(buckets >= 0, owners, -1)
+
+
+def row_wise_id_range(num_embeddings: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The ids a rank owns under row-wise sharding (TorchRec's even blocks of ids).
+
+    Rank ``r`` owns ``[r * block, min(num_embeddings, (r + 1) * block))`` with
+    ``block = ceil(num_embeddings / world_size)``, except that the last rank's range
+    runs to ``2**63``: ids at or above ``num_embeddings`` (hashed ids) are loaded there,
+    never dropped, so the ranges of all ranks cover every non-negative id exactly once.
+    Pass it as ``id_range``; for hashed ids prefer ``leanstate.bucket_owner``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
+    block = -(-num_embeddings // world_size)
+    hi = 2**63 if rank == world_size - 1 else min(num_embeddings, (rank + 1) * block)
+    return min(num_embeddings, rank * block), hi
+
+
+@dataclass(frozen=True)
+class BucketedTable:
+    """One table of a sharded module as a checkpoint sees it: this rank's store and the
+    table's bucketing (``buckets`` buckets; chunk mode with ``bucket_size``, else interleaved)."""
+
+    store: SupportsRows
+    buckets: int
+    bucket_size: int | None
+
+    def owner(self, ids: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The rank owning each id at ``world_size``."""
+        return bucket_owner(
+            ids, world_size=world_size, total_num_buckets=self.buckets, bucket_size=self.bucket_size
+        )
+
+    def bucket(self, ids: torch.Tensor) -> torch.Tensor:
+        """The bucket of each id."""
+        return bucket_of(ids, total_num_buckets=self.buckets, bucket_size=self.bucket_size)

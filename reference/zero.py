@@ -42,10 +42,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-DEVICES = ("cpu", "cuda")
-AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
-BENCH_TARGETS: dict[str, tuple[str, float]] = {}
-
 
 def _trainable(param: torch.Tensor) -> bool:
     return param.requires_grad

@@ -1,4 +1,6 @@
-"""The sealed seams (DESIGN §2.1), checked over the source: no module uses another's privates.
+"""The sealed seams (DESIGN §2.1, "Sealed seams"), checked over the source: no module uses
+another's privates, no engine imports a peer engine, no module outgrows one idea, and no
+test imports another test file.
 
 A name with a leading underscore belongs to the module that defines it. Another module
 may import a private *module* of its own package (``leanstate._backends``) and use its
@@ -15,8 +17,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"compat": "leanstate", "reference": "leanstate.reference", "accelerated": "leanstate.accelerated"}
+FOLDERS = {
+    "compat": "leanstate",
+    "compat/dcp": "leanstate.dcp",
+    "compat/_tools": "leanstate._tools",
+    "reference": "leanstate.reference",
+    "accelerated": "leanstate.accelerated",
+}
 MODULES = sorted(p for folder in FOLDERS for p in (ROOT / folder).glob("*.py"))
+ENGINE_PREFIXES = ("numba_cuda_", "numba_", "torch_")
 # torch's multi-tensor ops (torch.nn.utils.clip_grad_norm_ uses them the same way)
 FOREIGN_ALLOWED = {"_foreach_norm", "_foreach_mul_"}
 
@@ -73,6 +82,72 @@ def test_there_are_modules_to_check():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_module_uses_another_modules_private_names(path):
     assert foreign_privates(path) == []
+
+
+def _backend_of(module: str) -> str | None:
+    """The backend an ``accelerated`` engine module belongs to (``numba_cuda_kv_store`` ->
+    ``numba_cuda``), or None for a shared private module."""
+    return next((prefix[:-1] for prefix in ENGINE_PREFIXES if module.startswith(prefix)), None)
+
+
+def peer_engine_imports(path: Path) -> list[str]:
+    """``file:line: module`` for each import of another backend's engine module."""
+    mine = _backend_of(path.stem)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            if name.startswith("leanstate.accelerated."):
+                other = _backend_of(name.rsplit(".", 1)[1])
+                if other is not None and other != mine:
+                    found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "accelerated").glob("*.py")), ids=lambda p: p.name)
+def test_no_engine_imports_a_peer_engine(path):
+    """What two backends share lives in a shared private module, never in a peer engine."""
+    assert peer_engine_imports(path) == []
+
+
+def test_the_peer_check_catches_a_peer_import(tmp_path):
+    leaky = tmp_path / "numba_cuda_kv_store.py"
+    leaky.write_text(
+        "from leanstate.accelerated.torch_kv_store import RowPool\n"
+        "from leanstate.accelerated.numba_cuda_kv_store import launch\n"
+        "from leanstate.accelerated._row_pool import RowPool\n"
+    )
+    assert peer_engine_imports(leaky) == ["numba_cuda_kv_store.py:1: leanstate.accelerated.torch_kv_store"]
+
+
+SOURCE_FOLDERS = ("compat", "reference", "accelerated")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for folder in SOURCE_FOLDERS for p in (ROOT / folder).rglob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_source_module_is_over_600_lines(path):
+    assert len(path.read_text().splitlines()) <= 600
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_no_test_file_imports_another_test_file(path):
+    """Shared helpers live in ``tests/harness.py`` and helper modules, not in test files."""
+    this = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+            leaf = node.module.rsplit(".", 1)[1]
+            assert not leaf.startswith("test_") or node.module == this, (
+                f"{path.name}:{node.lineno}: {node.module}"
+            )
 
 
 def test_the_check_catches_a_reach_into_an_engine(tmp_path):

@@ -7,7 +7,7 @@ through ``leanstate.dcp`` >= 0.7 x the whole-row format's save and load throughp
 """
 
 from leanstate import _backends
-from leanstate._bench import CheckpointIO, best_time, load_peak_extra_bytes
+from leanstate._tools.workloads import CheckpointIO, best_time, load_peak_extra_bytes
 
 ROWS, DIM, CHUNK = 1_000_000, 128, 16 * 2**20
 

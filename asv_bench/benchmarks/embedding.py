@@ -9,7 +9,7 @@ process, against the same with ``NUMBA_NUM_THREADS=1`` (target cost <= 1.25).
 import statistics
 
 from leanstate import _backends
-from leanstate._bench import EmbeddingStep, best_times, threads_under_load
+from leanstate._tools.workloads import EmbeddingStep, best_times, threads_under_load
 
 ROWS = 1_000_000
 PEERS = {"sgd": "sgd", "rowwise_adagrad": "adagrad"}

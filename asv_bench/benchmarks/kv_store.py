@@ -10,7 +10,7 @@ memory per row <= 1.1x the row's bytes. The ``track_*_cost_*`` values are time r
 import statistics
 
 from leanstate import _backends
-from leanstate._bench import KVGetSet, samples
+from leanstate._tools.workloads import KVGetSet, samples
 
 ROWS, DIM, BATCH = 1_000_000, 128, 65_536
 

@@ -8,7 +8,7 @@ bytes exchanged per step over the minimum (distinct ids x (weight row + float32
 gradient row)), target <= 1.1.
 """
 
-from leanstate._bench import sharded_comparison
+from leanstate._tools.workloads import sharded_comparison
 
 
 class ShardedEmbedding:

@@ -5,7 +5,7 @@ step time <= 1.05 x torch's with equal saved bytes; offload saves exactly the
 no-wrapper bytes (torch's offload_wrapper copies parameters and host tensors too).
 """
 
-from leanstate._bench import WrapperStep, best_time
+from leanstate._tools.workloads import WrapperStep, best_time
 
 
 class WrapperStepTime:

@@ -6,7 +6,7 @@ Targets: step time <= 1/1.05 x torch's; broadcasts per step = world size; consol
 parameter's state.
 """
 
-from leanstate._bench import zero_comparison
+from leanstate._tools.workloads import zero_comparison
 
 
 class ZeroVersusTorch:

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import leanstate
-from leanstate._gpu_check import device_backends
-from tests.conftest import FakeClock
+from leanstate._tools.gpu_check import device_backends
+from tests.harness import FakeClock
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,6 +125,28 @@ def test_host_syncs_per_batch_do_not_grow_with_the_batch(backend):
     assert counts[16_384] < 64
 
 
+class _CopyStreams(TorchFunctionMode):
+    """Records the current CUDA stream at every copy between the host and the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[torch.cuda.Stream] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        crossing = func is torch.Tensor.copy_ and len(tensors) == 2 and tensors[0].device != tensors[1].device
+        crossing |= (
+            func is torch.Tensor.to
+            and tensors
+            and tensors[0].device.type == "cpu"
+            and ("cuda" in str(args[1:] + tuple(kwargs.values())))
+        )
+        if crossing:
+            self.streams.append(torch.cuda.current_stream())
+        return func(*args, **kwargs)
+
+
 def test_offload_wrapper_copies_on_a_side_stream_and_keeps_the_budget():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512)).to(CUDA)
@@ -131,11 +154,15 @@ def test_offload_wrapper_copies_on_a_side_stream_and_keeps_the_budget():
     reference.load_state_dict(model.state_dict())
     budget = 4 * 2**20
     wrapped = leanstate.offload_wrapper(model, min_offload_bytes=1024, pinned_budget_bytes=budget)
-    assert type(wrapped.copier).__module__ == "leanstate.accelerated.torch_wrappers"
     x = torch.randn(256, 512, device=CUDA)
-    for _ in range(3):
-        wrapped(x).square().sum().backward()
-        reference(x).square().sum().backward()
+    copies = _CopyStreams()
+    with copies:
+        for _ in range(3):
+            wrapped(x).square().sum().backward()
+            reference(x).square().sum().backward()
+    # every device<->host copy of an activation ran on the copier's stream, not the compute one
+    assert copies.streams and set(copies.streams) == {wrapped.copier.stream}, copies.streams
+    assert wrapped.copier.stream != torch.cuda.default_stream(CUDA)
     assert wrapped.stats.offloaded_bytes > 0
     assert wrapped.pool.pooled_bytes <= budget and wrapped.pool.in_use_bytes == 0
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):

@@ -6,11 +6,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference.hashing import initial_weights
 from leanstate.reference.row_format import unpack_metadata
-from tests.conftest import FakeClock
+from tests.harness import FakeClock, resident_bytes
 
 int64s = st.integers(-(2**63), 2**63 - 1)
 
@@ -108,20 +108,13 @@ def test_memory_is_the_pool_and_a_half_full_table():
     assert store.memory_bytes() <= 1.1 * rows
 
 
-def _resident_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_reserve_faults_the_rows_in_and_the_inserts_that_follow_stay_in_place():
     store = KVStore(128, optimizer_state_dim=1, backend="numba")
     store.set(torch.arange(10), torch.ones(10, 128))
     rows = 40_000  # 21 MiB of rows: below the huge-page threshold
-    before = _resident_bytes()
+    before = resident_bytes()
     store.reserve(rows)
-    assert _resident_bytes() - before >= 0.9 * rows * store.layout.row_bytes
+    assert resident_bytes() - before >= 0.9 * rows * store.layout.row_bytes
     pool, size = store.engine.rows.data_ptr(), store.memory_bytes()
     for start in range(10, rows, 10_000):  # no remap and no growth: the rows were there
         store.set(torch.arange(start, start + 10_000), torch.full((10_000, 128), 2.0))
@@ -182,7 +175,9 @@ def test_every_write_takes_the_write_lock_and_every_read_the_read_lock():
         "partial get": lambda: store.get(ids, width_offset=6, width=2),
         "get_rows": lambda: store.get_rows(ids),
         "contains": lambda: store.contains(ids),
+        "metadata": lambda: store.metadata(ids),
         "keys": lambda: store.keys(),
+        "keys_in_range": lambda: store.keys_in_range(0, 20),
     }
     for name, call in {**writes, **reads}.items():
         spy.taken.clear()

@@ -10,7 +10,7 @@ import torch
 from leanstate import _backends
 from leanstate.kv_store import KVStore
 from leanstate.testing import same_bits
-from tests.conftest import FakeClock
+from tests.harness import FakeClock, run_probe
 
 pytestmark = pytest.mark.skipif(
     "torch" not in _backends.available("kv_store"), reason="torch engine unavailable"
@@ -51,29 +51,19 @@ def test_waves_of_inserts_and_deletes_match_the_reference(seed):
 
 
 FRESH_LOAD = """
-import ctypes, gc, json, sys, torch, leanstate
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
+import json, sys, torch, leanstate
 store = leanstate.KVStore(128, optimizer_state_dim=1, backend="torch")
 store.set(torch.tensor([7]), torch.zeros(1, 128))  # first-use allocations, then empty again
 store.delete(torch.tensor([7]))
-gc.collect()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-base = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
+base = reset_peak()
 leanstate.load_checkpoint(sys.argv[1], {"t": store})
-print(json.dumps({"extra": status("VmHWM") - base, "store": store.memory_bytes(), "rows": len(store)}))
+print(json.dumps({"extra": peak_since(base), "store": store.memory_bytes(), "rows": len(store)}))
 """
 
 
 def test_a_fresh_load_into_a_torch_store_holds_the_table_and_about_a_slice(tmp_path):
     """Reserved once from the manifest, and the rows set_rows inserts are not given initial
     weights first (they were: a dozen [n, dim] int64 temporaries per slice, ~90 MiB)."""
-    import json
-    import subprocess
-    import sys
 
     from leanstate import save_checkpoint
 
@@ -81,11 +71,7 @@ def test_a_fresh_load_into_a_torch_store_holds_the_table_and_about_a_slice(tmp_p
     for start in range(0, 100_000, 25_000):
         source.set(torch.arange(start, start + 25_000), torch.randn(25_000, 128))
     path = save_checkpoint(tmp_path / "c", {"t": source})
-    done = subprocess.run(
-        [sys.executable, "-c", FRESH_LOAD, str(path)], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout)
+    result = run_probe(FRESH_LOAD, path)
     assert result["rows"] == 100_000
     assert result["extra"] - result["store"] < 40 * 2**20, result  # beyond the store: slices, not the table
 

@@ -88,8 +88,8 @@ def test_public_class_builds_the_chosen_backend_and_accepts_backend():
     assert isinstance(store, leanstate.KVStore) and store.engine.backend == "reference"
     assert leanstate.KVStore(4).backend == leanstate.backend_info().chosen["kv_store"]
     assert leanstate.KVStore(4, backend="numba").engine.backend == "numba"
-    with pytest.raises(ValueError, match="no implementation of checkpoint"):
-        leanstate.save_checkpoint("x", {}, backend="numba")  # checkpoint I/O has only the reference
+    with pytest.raises(ValueError, match="no implementation of offload"):
+        leanstate.offload_wrapper(torch.nn.Linear(2, 2), backend="numba")
     with pytest.raises(ValueError, match="not one of"):
         leanstate.KVStore(4, backend="fast")
     with pytest.raises(ValueError, match="the numba engine runs on cpu"):
@@ -156,3 +156,24 @@ store.set(torch.tensor([3]), torch.ones(1, 4))
 print(leanstate.backend_info().chosen["kv_store"], len(zero.state_dict()["state"]), float(store.get(torch.tensor([3])).sum()))
 """
     assert run_python(code).split() == ["torch", "4", "4.0"]
+
+
+def test_backend_info_is_a_snapshot_that_changes_nothing():
+    info = leanstate.backend_info()
+    chosen = info.chosen["kv_store"]
+    info.chosen["kv_store"] = "nonsense"
+    info.reasons.clear()
+    again = leanstate.backend_info()
+    assert again.chosen["kv_store"] == chosen and again.reasons["kv_store"]
+    assert leanstate.KVStore(4).backend == chosen
+
+
+def test_checkpoint_backend_argument_is_deprecated_and_ignored(tmp_path):
+    store = leanstate.KVStore(4, backend="reference")
+    store.set(torch.tensor([3, 8]), torch.ones(2, 4))
+    with pytest.warns(DeprecationWarning, match="deprecated and ignored"):
+        leanstate.save_checkpoint(tmp_path / "c", {"t": store}, backend="numba")
+    fresh = leanstate.KVStore(4, backend="reference")
+    with pytest.warns(DeprecationWarning, match="deprecated and ignored"):
+        leanstate.load_checkpoint(tmp_path / "c", {"t": fresh}, backend="torch")
+    assert torch.equal(fresh.get_rows(store.keys()), store.get_rows(store.keys()))

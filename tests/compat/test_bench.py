@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from leanstate._bench import WrapperStep
+from leanstate._tools.workloads import WrapperStep
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 import leanstate
 from leanstate import _backends
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 STORES = sorted(_backends.available("kv_store"))
 WRITERS = {"pipelined": True, "plain": False}
@@ -51,7 +51,7 @@ def test_any_backend_loads_what_any_backend_saved(tmp_path, dtype, source, targe
 def test_a_resume_load_into_an_accelerated_store_holds_about_a_chunk(backend):
     """Loading into a live store that holds the rows (a resume) must not grow it by the
     table (a reserve of rows it already holds did: +26.8 MiB for a 16.8 MiB table)."""
-    from leanstate._bench import load_peak_extra_bytes
+    from leanstate._tools.workloads import load_peak_extra_bytes
 
     rows, dim, chunk = 200_000, 16, 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)

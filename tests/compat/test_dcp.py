@@ -10,11 +10,8 @@ flat in the table size.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -30,15 +27,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore, KVTensor, save_checkpoint
-from leanstate.__main__ import main
-from tests.compat.test_sharded_embedding import (
+from leanstate._tools.cli import main
+from tests.compat.sharded_models import (
     assert_rows_match,
     build,
     global_batch,
     train_step,
     upstream,
 )
-from tests.reference.test_zero import run_world
+from tests.harness import run_probe, run_world
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -384,16 +381,11 @@ def test_across_ranks(runs, index, world, scenario):
 
 MEMORY_PROBE = textwrap.dedent(
     """
-    import ctypes, gc, json, sys, torch
+    import json, sys, torch
     import leanstate.dcp as kvdcp
     from leanstate import KVStore
 
     path, rows, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
 
     store = KVStore(dim, optimizer_state_dim=1)  # a live store that holds the ids (a resume)
     for start in range(0, rows, 50_000):
@@ -406,13 +398,9 @@ MEMORY_PROBE = textwrap.dedent(
     growth = {}
     for phase, run in runs.items():
         run()  # once: imports and first-use allocations
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        base = status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current RSS
+        base = reset_peak()
         run()
-        growth[phase] = status("VmHWM") - base
+        growth[phase] = peak_since(base)
     print(json.dumps(growth))
     """
 )
@@ -427,14 +415,7 @@ def test_load_and_save_memory_are_flat_in_the_table_size(tmp_path):
             source.set(torch.arange(start, start + 50_000), torch.randn(50_000, dim))
         kvdcp.save({"t": source}, checkpoint_id=tmp_path / str(rows), chunk_bytes=chunk)
         del source
-        out = subprocess.run(
-            [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / str(rows)), str(rows), str(dim)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        for phase, extra in json.loads(out.stdout.strip().splitlines()[-1]).items():
+        for phase, extra in run_probe(MEMORY_PROBE, tmp_path / str(rows), rows, dim).items():
             growth[phase, rows] = extra
     for phase in ("load", "save"):
         small, large = growth[phase, 100_000], growth[phase, 200_000]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.embedding import KeyedJaggedTensor, KVEmbeddingBag, KVEmbeddingBagCollection
-from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference.row_format import header_words, unpack_metadata
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 D, VOCAB = 8, 50
 
@@ -204,7 +204,7 @@ RESUME = textwrap.dedent(
     """
     import sys, torch
     from leanstate.embedding import KVEmbeddingBag
-    from leanstate.reference.checkpoint import load_checkpoint, save_checkpoint
+    from leanstate.checkpoint import load_checkpoint, save_checkpoint
     from tests.compat.test_embedding import batch, make
     optimizer, offloading, backend, path, phase = sys.argv[1:6]
     bag = make(optimizer, offloading == "1", backend)

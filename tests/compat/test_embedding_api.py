@@ -17,7 +17,7 @@ from leanstate import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 D, VOCAB = 4, 30
 BACKENDS = sorted(leanstate._backends.available("embedding"))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from leanstate import _backends
 from leanstate.embedding import KVEmbeddingBag
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 ACCELERATED = sorted(b for b in _backends.available("embedding") if b != "reference")
 D = 6

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanstate import _gpu_check
-from leanstate.__main__ import main
+from leanstate._tools import gpu_check as _gpu_check
+from leanstate._tools.cli import main
 
 CPU = torch.device("cpu")
 

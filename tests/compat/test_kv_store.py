@@ -9,7 +9,7 @@ from leanstate import _backends
 from leanstate.kv_store import KVStore
 from leanstate.reference.hashing import initial_weights
 from leanstate.reference.row_format import COUNT_MAX, header_words, unpack_metadata
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 BACKENDS = sorted(_backends.available("kv_store"))
 

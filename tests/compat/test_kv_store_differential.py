@@ -12,21 +12,9 @@ import pytest
 
 from leanstate import _backends
 from leanstate.kv_store import KVStore
-from leanstate.testing import run_store_machine
+from tests.harness import check_backend
 
 ACCELERATED = sorted(b for b in _backends.available("kv_store") if b != "reference")
-
-
-def factory(backend: str):
-    def make_store(dim, *, seed, **options):
-        return KVStore(dim, backend=backend, seed=seed, num_shards=1 + seed % 5, **options)
-
-    return make_store
-
-
-def check_backend(backend: str, examples: int = 80) -> None:
-    """Run the state machine on ``backend``'s stores."""
-    run_store_machine(factory(backend), examples=examples)
 
 
 @pytest.mark.parametrize("backend", ACCELERATED)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from leanstate import _backends
 from leanstate.kv_store import KVStore
 from leanstate.reference.row_format import header_words, unpack_metadata
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 BACKENDS = sorted(_backends.available("kv_store"))
 

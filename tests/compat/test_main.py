@@ -44,10 +44,19 @@ def test_version_and_help_texts():
 
 
 def test_info_explains_the_choice_for_every_component():
-    out = run("info")
-    assert "kv_store: numba" in out and "chose numba" in out
-    for component in ("kv_store", "embedding", "checkpoint", "wrappers", "zero"):
-        assert f"  {component}: " in out, component
+    from leanstate import _backends
+
+    out = run("info").splitlines()
+    assert "  kv_store: numba (registered: reference, numba, numba-cuda, torch)" in out
+    for component in _backends.components():  # every registered component: its choice and why
+        line = next(i for i, text in enumerate(out) if text.startswith(f"  {component}: "))
+        chosen = out[line].split()[1]
+        reasons = []
+        for text in out[line + 1 :]:
+            if not text.startswith("    - "):
+                break
+            reasons.append(text)
+        assert f"    - chose {chosen}" in reasons, (component, reasons)
 
 
 def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():

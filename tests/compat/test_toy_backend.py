@@ -7,15 +7,16 @@ import pytest
 import torch
 
 import leanstate
-from leanstate import _backends, _bench
-from tests.compat.test_kv_store_differential import check_backend
+from leanstate import _backends
+from leanstate._tools import bench as _bench
+from tests.harness import check_backend
 
 
 @pytest.fixture
 def toy():
-    _backends.register("kv_store", "toy", "tests.compat.toy_kv_store")  # the one line
+    leanstate.register_backend("kv_store", "toy", "tests.compat.toy_kv_store")  # the one line
     yield
-    _backends.unregister("kv_store", "toy")
+    leanstate.unregister_backend("kv_store", "toy")
 
 
 def test_the_toy_backend_appears_in_backend_info(toy):
@@ -48,8 +49,8 @@ def test_the_toy_backend_has_its_rows_in_the_bench_with_its_declared_target(toy)
 
 
 def test_unregistering_removes_it():
-    _backends.register("kv_store", "toy", "tests.compat.toy_kv_store")
-    _backends.unregister("kv_store", "toy")
+    leanstate.register_backend("kv_store", "toy", "tests.compat.toy_kv_store")
+    leanstate.unregister_backend("kv_store", "toy")
     assert "toy" not in leanstate.backend_info().registered["kv_store"]
     with pytest.raises(ValueError, match="not one of"):
         leanstate.KVStore(4, backend="toy")

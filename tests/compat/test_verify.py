@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from leanstate import _backends
-from leanstate._verify import main
+import leanstate
+from leanstate._tools.verify import main
 
 
 def test_verify_quick_passes_every_installed_backend():
@@ -25,9 +25,9 @@ def test_verify_quick_passes_every_installed_backend():
 
 @pytest.fixture
 def broken():
-    _backends.register("kv_store", "broken", "tests.compat.broken_kv_store")
+    leanstate.register_backend("kv_store", "broken", "tests.compat.broken_kv_store")
     yield
-    _backends.unregister("kv_store", "broken")
+    leanstate.unregister_backend("kv_store", "broken")
 
 
 def test_verify_fails_on_a_backend_that_lists_its_ids_out_of_order(broken, capsys):

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from leanstate.kv_store import KVStore
 from leanstate.reference.hashing import initial_weights
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 DIM, STATE = 5, 2
 POOL = st.integers(-2, 24)  # a small id pool makes hits, misses and duplicates common

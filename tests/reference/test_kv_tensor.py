@@ -4,7 +4,7 @@ import torch
 from leanstate.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import header_words
-from tests.conftest import FakeClock
+from tests.harness import FakeClock
 
 
 @pytest.fixture

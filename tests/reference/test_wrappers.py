@@ -444,7 +444,7 @@ class RecordingCopier(Copier):
         self.log.append("ready")
 
 
-def test_the_first_unpack_prefetches_every_storage_of_that_forward(host_as_device):
+def test_the_first_unpack_prefetches_most_of_that_forwards_storages_before_any_is_used(host_as_device):
     torch.manual_seed(3)
     copier = RecordingCopier()
     model = OffloadWrapper(Stack(), min_offload_bytes=0, copier=copier)

@@ -9,85 +9,26 @@ the same gradients, so their parameters must stay bitwise equal.
 from __future__ import annotations
 
 import copy
-import importlib
-import json
-import os
-import socket
-import sys
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leanstate.reference.zero import ZeroRedundancyOptimizer
-
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
-    "adam": (torch.optim.Adam, {"lr": 0.01}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
-}
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
-
-
-def backward(model: nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
-    """Loss and averaged gradients: by DistributedDataParallel when ``model`` is one,
-    else by an all-reduce per gradient (DDP's sum-then-divide arithmetic)."""
-    model.zero_grad(set_to_none=True)
-    loss = model(x).square().mean()
-    loss.backward()
-    if isinstance(model, DDP):
-        return loss
-    size = dist.get_world_size(group)
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= size
-    return loss
-
-
-def inner(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
-
-
-def assert_same(a: nn.Module, b: nn.Module, what: str) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert torch.equal(p, q), f"{what}: {name} differs"
-
-
-def assert_equal_across_ranks(model: nn.Module, group=None) -> None:
-    for name, p in model.named_parameters():
-        copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(copies, p.detach().contiguous(), group=group)
-        assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs across ranks"
-
-
-def train_pair(zero_model, plain_model, zero, plain, steps, rank, start=0, flips=True, group=None):
-    for step in range(start, start + steps):
-        if flips and step in (10, 15):
-            for model in (zero_model, plain_model):
-                inner(model)[2].weight.requires_grad_(step == 15)  # frozen at 10, trainable again at 15
-        for model in (zero_model, plain_model):
-            backward(model, batch(step, rank), group)
-        zero.step()
-        plain.step()
-        assert_same(zero_model, plain_model, f"step {step}")
-    assert_equal_across_ranks(zero_model, group)
-
+from tests.harness import run_world
+from tests.reference.zero_models import (
+    OPTIMIZERS,
+    assert_equal_across_ranks,
+    assert_same,
+    backward,
+    batch,
+    inner,
+    make_model,
+    train_pair,
+)
 
 # -- scenarios ---------------------------------------------------------------------------
 
@@ -420,73 +361,12 @@ BY_WORLD = {
 }
 
 
-def _worker(
-    rank: int, world: int, port: int, folder: str, module: str, names: list[str] | None = None
-) -> None:
-    """Run the scenarios ``names`` (default ``BY_WORLD[world]``) of test module ``module`` on this rank."""
-    scenarios = importlib.import_module(module).SCENARIOS
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    results = {}
-    for name in names if names is not None else importlib.import_module(module).BY_WORLD[world]:
-        try:
-            scenarios[name](rank, world, folder)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            print(f"world {world} rank {rank} {name}:\n{results[name]}", file=sys.stderr, flush=True)
-        dist.barrier()
-    Path(folder, f"world{world}-rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_world(
-    world: int, folder: Path, module: str = __name__, names: list[str] | None = None
-) -> dict[str, list[str]]:
-    """Spawn ``world`` ranks running ``module``'s scenarios; scenario -> failures.
-
-    A world whose processes die (not a failing scenario: those are recorded) is started
-    once more on a fresh port, since the port is picked before the ranks bind it.
-    """
-    try:
-        return _run_world_once(world, folder, module, names)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as exc:
-        print(f"world {world} died ({type(exc).__name__}); starting it again", file=sys.stderr)
-        return _run_world_once(world, folder, module, names)
-
-
-def _run_world_once(world: int, folder: Path, module: str, names: list[str] | None) -> dict[str, list[str]]:
-    args = (world, _free_port(), str(folder), module, names)
-    context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"world of {world} did not finish")
-    outcome: dict[str, list[str]] = {}
-    for rank in range(world):
-        for name, result in json.loads((folder / f"world{world}-rank{rank}.json").read_text()).items():
-            if result != "ok":
-                outcome.setdefault(name, []).append(f"rank {rank}:\n{result}")
-            else:
-                outcome.setdefault(name, [])
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     folder = tmp_path_factory.mktemp("zero")
     results = {}
     for world in (2, 1, 3, 4):  # 2 first: it saves the checkpoint that 1 and 3 resume
-        results[world] = run_world(world, folder)
+        results[world] = run_world(world, folder, __name__)
     return results
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from leanstate.reference.zero import ZeroRedundancyOptimizer
-from tests.reference.test_zero import OPTIMIZERS, backward, batch, make_model, run_world, train_pair
+from tests.harness import run_world
+from tests.reference.zero_models import OPTIMIZERS, backward, batch, make_model, train_pair
 
 
 def overlap_parity(rank, world, folder):

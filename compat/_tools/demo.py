@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import leanstate
-from leanstate._bench import free_port
+from leanstate._tools.workloads import free_port
 
 # Another world size sums gradients in another order: the losses of a continued run
 # differ from the uninterrupted one's in the last bits, and by at most this much.
@@ -276,7 +276,7 @@ def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict) 
 
 def main(args: argparse.Namespace) -> int:
     """Train, checkpoint, resume and reshard; print the proofs and a summary; draw the figure."""
-    from leanstate._bench import CheckpointIO, best_time, load_peak_extra_bytes
+    from leanstate._tools.workloads import CheckpointIO, best_time, load_peak_extra_bytes
 
     out = Path(args.out)
     if out.exists():

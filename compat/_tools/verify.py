@@ -196,7 +196,7 @@ def _rank_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
 
 
 def _two_ranks(quick: bool) -> dict[str, str]:
-    from leanstate._bench import free_port
+    from leanstate._tools.workloads import free_port
 
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(

@@ -21,16 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from leanstate.__main__ import main as leanstate_main
+from leanstate._checkpoint_files import read_manifest
+from leanstate._tools.cli import main as leanstate_main
+from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    read_manifest,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from tests.conftest import FakeClock
+from leanstate.reference.checkpoint import CheckpointError
+from tests.harness import FakeClock
 
 ROWS = 120
 
@@ -342,7 +338,7 @@ KILLED_SAVE = textwrap.dedent(
     """
     import sys, torch
     from leanstate.kv_store import KVStore
-    from leanstate.reference.checkpoint import save_checkpoint
+    from leanstate.checkpoint import save_checkpoint
     store = KVStore(32, backend="reference")
     store.set(torch.arange(3000), torch.full((3000, 32), 2.0))
     print("ready", flush=True)

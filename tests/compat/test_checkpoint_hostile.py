@@ -24,8 +24,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
-from leanstate.__main__ import main
-from leanstate.reference.sharded_checkpoint import read_manifest_v2
+from leanstate._tools.cli import main
+from leanstate.sharded_checkpoint import read_manifest_v2
 
 
 def small_store(seed: int = 0) -> KVStore:
@@ -40,7 +40,7 @@ PROBE = textwrap.dedent(
     """
     import io, json, sys, contextlib
     from leanstate import CheckpointError, KVStore, load_checkpoint
-    from leanstate.__main__ import main
+    from leanstate._tools.cli import main
 
     results = {}
     for path in sys.argv[1:]:

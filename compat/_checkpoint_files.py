@@ -1,0 +1,304 @@
+"""File-system safety for every checkpoint format: what is read, where it is written,
+and how a save becomes visible.
+
+- reads: only regular files (no symlink out of the directory, no FIFO that blocks),
+  sizes checked before allocation, the manifest parsed as plain JSON;
+- writes: a locked staging sibling (``.NAME.saving-X`` with its ``.lock``), every
+  file fsynced, the marker file (a manifest, or DCP's ``.metadata``) written last;
+- publish: one fsync-and-rename; the previous copy waits aside until the rename is
+  done and is removed marker first, so a half-deleted copy never looks complete;
+- cleanup: staging directories whose lock no live save holds are stale;
+- signals: Ctrl-C deferred while verified rows are applied to a live store.
+
+Version 1, version 2 (across ranks) and the DCP adapter all go through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import secrets
+import shutil
+import signal
+import stat
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import crc32c
+import torch
+
+from leanstate._checkpoint_format import EXTRA_FILE, MANIFEST, checked_problem, manifest_problem
+from leanstate.reference.checkpoint import CheckpointError
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_regular(file: Path, what: str):
+    """``file`` opened for reading if it is a regular file: not a symlink (which could read
+    outside the checkpoint), FIFO (which would block), directory or device.
+
+    Raises :class:`CheckpointError` naming ``what`` and the file otherwise, or when it is
+    missing.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{what} {file} is missing") from exc
+    except OSError as exc:  # ELOOP: a symlink
+        kind = "a symlink" if os.path.islink(file) else f"unreadable ({exc.strerror})"
+        raise CheckpointError(
+            f"{what} {file} is {kind}; only regular files inside the checkpoint are read"
+        ) from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
+        raise CheckpointError(f"{what} {file} is {kind}, not a regular file; refusing to read it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def checked_target(path: object, method: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{method}: path must be a str or os.PathLike; got {type(path).__name__}")
+    if str(path) == "" or Path(path).name in ("", ".", ".."):
+        raise ValueError(f"{method}: path must name a checkpoint directory; got {str(path)!r}")
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{method}: {path} is a dangling symlink; pass the directory it should name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{method}: {path} is under {parent}, which is a file, not a directory")
+            break
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{method}: {path} exists and is not a directory; refusing to replace it")
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
+        raise ValueError(
+            f"{method}: {path} is a non-empty directory that is not a checkpoint; refusing to replace it"
+        )
+    return path
+
+
+def remove_stale_staging(path: Path) -> None:
+    """Delete what killed saves of ``path`` left: staging directories and their lock files.
+
+    A save takes the lock file ``.NAME.saving-X.lock`` before it creates the staging
+    directory ``.NAME.saving-X`` and drops it after renaming that directory into place:
+    a staging directory whose lock no live save holds (or that has none) is stale.
+    """
+    for staging in path.parent.glob(f".{path.name}.saving-*"):
+        if staging.name.endswith(".lock"):
+            continue
+        try:
+            with open(f"{staging}.lock") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live save
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    for lock_file in path.parent.glob(f".{path.name}.saving-*.lock"):
+        if not Path(str(lock_file).removesuffix(".lock")).exists():
+            try:
+                with open(lock_file) as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.remove(lock_file)
+            except (BlockingIOError, FileNotFoundError):
+                continue
+
+
+def remove_checkpoint(path: Path, marker: str = MANIFEST) -> None:
+    """Delete a checkpoint directory marker first, so a half-deleted copy never looks complete."""
+    try:
+        os.remove(path / marker)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_directory(staging: Path, path: Path, previous: Path) -> None:
+    """fsync the complete ``staging`` directory and rename it to ``path``; an old ``path``
+    waits at ``previous`` until the rename is done (and comes back if it fails)."""
+    fsync_dir(staging)
+    if path.exists():
+        os.rename(path, previous)
+    try:
+        os.rename(staging, path)
+    except BaseException:
+        if previous.exists():
+            os.rename(previous, path)
+        raise
+    fsync_dir(path.parent)
+
+
+def extra_bytes_of(extra: object, method: str) -> bytes:
+    """``extra`` serialised, after checking that it loads back with ``weights_only=True``."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"{method}: extra must be a mapping of names to tensors and plain values; got {type(extra).__name__}"
+        )
+    buffer = io.BytesIO()
+    torch.save(dict(extra), buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"{method}: extra must load back with torch.load(weights_only=True) (tensors, numbers, strings, "
+            f"lists and dicts of them); it does not: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        ) from exc
+    return data
+
+
+def parse_manifest(file: Path) -> object:
+    """The JSON in ``file`` (a regular file), or :class:`CheckpointError` naming it for
+    anything that is not plain JSON: bad bytes, nesting too deep, numbers too long."""
+    with open_regular(file, "manifest") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
+        message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of the checkpoint at ``path``, checked against the schema.
+
+    Raises :class:`CheckpointError` naming ``manifest.json`` and the offending key, or
+    ``FileNotFoundError`` (with the previous copy an interrupted save left, if complete).
+    """
+    path = Path(path)
+    file = path / MANIFEST
+    if not os.path.lexists(file):
+        complete = [
+            p for p in sorted(path.parent.glob(f".{path.name}.previous-*")) if (p / MANIFEST).is_file()
+        ]
+        hint = (
+            f"; an interrupted save left the previous checkpoint at {complete[0]} (rename it to {path})"
+            if complete
+            else ""
+        )
+        raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
+    manifest = parse_manifest(file)
+    problem = checked_problem(manifest_problem, manifest)
+    if problem is not None:
+        raise CheckpointError(f"{file}: {problem}")
+    return manifest
+
+
+def read_extra(path: Path, manifest: dict) -> dict[str, object]:
+    """The dense ``extra`` state, checked (size, CRC, ``weights_only`` load) before any row moves."""
+    extra = manifest["extra"]
+    if extra is None:
+        if os.path.lexists(path / EXTRA_FILE):
+            raise CheckpointError(
+                f"{path / MANIFEST} says there is no extra state, but {path / EXTRA_FILE} exists: the "
+                "manifest does not describe this checkpoint"
+            )
+        return {}
+    if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
+        extra = {"file": extra}
+    file = path / extra["file"]
+    with open_regular(file, "extra state file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if "bytes" in extra and size != extra["bytes"]:  # checked before reading: no allocation
+            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {extra['bytes']}")
+        data = f.read()
+    if "bytes" in extra:  # (the older bare-string form carries no size or CRC)
+        if crc32c.crc32c(data) != extra["crc"]:
+            raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{file} cannot be loaded with weights_only=True ({type(exc).__name__}: {first_line})"
+        ) from exc
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold SIGINT (Ctrl-C) until the block ends, then raise ``KeyboardInterrupt``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def staged(path: Path, method: str) -> Iterator[Path]:
+    """A new, locked staging directory beside ``path`` for one save; removed (with its lock)
+    unless the block published it. An ``OSError`` inside (disk full, I/O error) becomes a
+    :class:`CheckpointError` naming ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(path)
+    staging = path.parent / f".{path.name}.saving-{secrets.token_hex(4)}"
+    lock = open(f"{staging}.lock", "w")  # held while saving: a later save leaves this one alone
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        staging.mkdir()
+        yield staging
+    except OSError as exc:  # disk full, file too large, I/O error: name what was being saved
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"{method}: saving {path} failed ({exc.strerror or exc}); the previous checkpoint at that path, "
+            "if any, is unchanged"
+        ) from exc
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.remove(lock.name)
+        lock.close()
+
+
+def write_synced(file: Path, data: bytes) -> None:
+    """Write ``data`` to a new ``file`` and fsync it."""
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_extra(staging: Path, extra_bytes: bytes) -> dict:
+    """Write the serialised extra state, fsynced; its manifest entry."""
+    write_synced(staging / EXTRA_FILE, extra_bytes)
+    return {"file": EXTRA_FILE, "bytes": len(extra_bytes), "crc": crc32c.crc32c(extra_bytes)}
+
+
+def publish(
+    staging: Path, path: Path, *, manifest: dict | bytes | None = None, marker: str = MANIFEST
+) -> None:
+    """Make the complete ``staging`` directory the checkpoint at ``path``.
+
+    ``manifest`` (JSON, or its bytes) is written to ``marker`` last, when given: its
+    presence marks a complete save. The old checkpoint waits at a ``.previous-X``
+    sibling until the rename is done, then it (and any an interrupted save left) is
+    removed marker first.
+    """
+    if manifest is not None:
+        data = manifest if isinstance(manifest, bytes) else json.dumps(manifest, indent=1).encode()
+        write_synced(staging / marker, data)
+    previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
+    replace_directory(staging, path, previous)
+    for old in path.parent.glob(f".{path.name}.previous-*"):
+        remove_checkpoint(old, marker)

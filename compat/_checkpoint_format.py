@@ -1,0 +1,327 @@
+"""The whole-row format's schema, as the checkpoint I/O checks it: names, manifest entries,
+the manifest's rules, and what a ``tables`` argument means.
+
+Every reader (version 1, version 2 across ranks, DCP's index, ``leanstate inspect``)
+validates through these functions, so one manifest rule is written once. The format
+itself is stated plainly in ``leanstate.reference.checkpoint`` and
+``spec/checkpoint_format.md``; this module is its hardened restatement, held to the
+reference by the differential tests.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import torch
+
+from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
+from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.row_format import RowLayout, header_words
+
+__all__ = ["EXTRA_FILE", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "CheckpointError"]  # the format's names
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+# Loads read at most this much at a time: the read, the CRC and the upsert of a slice
+# stay in cache (measured faster than whole 64 MiB chunks).
+SLICE_BYTES = 4 * 2**20
+CHECKSUM = "crc32c"
+# name -> incremental checksum(data, running value); "crc32" (zlib) is read, not written.
+CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {
+    "crc32c": lambda data, crc: crc32c.crc32c(data, value=crc),
+    "crc32": zlib.crc32,
+}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Progress = Callable[[str, int, int], None]
+MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one entry of ``tables`` means: a store, and how its rows are written."""
+
+    name: str
+    store: SupportsRows
+    view: KVTensor | None  # None: the store itself
+
+    @property
+    def whole(self) -> bool:
+        """Whether this entry is the store's whole rows (a store, or a whole-row view of it)."""
+        view = self.view
+        return view is None or (
+            view.whole_rows and view.width_offset == 0 and view.width == self.store.layout.width
+        )
+
+
+def targets_of(tables: Mapping[str, object], method: str) -> list[Target]:
+    """``tables`` checked: plain file names, each a store or a KVTensor of one."""
+    if not isinstance(tables, Mapping):
+        raise TypeError(f"{method}: tables must be a mapping name -> KVStore or KVTensor")
+    targets = []
+    for name, value in tables.items():
+        check_table_name(name, method)
+        if isinstance(value, KVTensor):
+            targets.append(Target(name, value.store, value))
+        elif isinstance(value, SupportsRows):
+            targets.append(Target(name, value, None))
+        elif isinstance(getattr(value, "store", None), SupportsRows) and hasattr(value, "buckets"):
+            raise TypeError(
+                f"{method}: tables[{name!r}] is a sharded module's table (from checkpoint_tables() of a "
+                "ShardedKVEmbeddingBagCollection): pass process_group= (on every rank) as well"
+            )
+        else:
+            raise TypeError(
+                f"{method}: tables[{name!r}] must be a KVStore or KVTensor; got {type(value).__name__}"
+            )
+    return targets
+
+
+def check_table_name(name: object, method: str) -> None:
+    """A table name becomes ``NAME.rows``: a plain, short, UTF-8 file name not starting with '.'."""
+    if isinstance(name, str):
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{method}: table name {name!r} cannot be a file name (not encodable as UTF-8: {exc.reason})"
+            ) from None
+    if (
+        not isinstance(name, str)
+        or not plain_name(name)
+        or name.startswith(".")
+        or "\0" in name
+        or len(name.encode()) > MAX_NAME_BYTES
+    ):
+        raise ValueError(
+            f"{method}: table name {name!r} must be a plain file name: not empty, no '/', not starting "
+            f"with '.', at most {MAX_NAME_BYTES} bytes"
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_chunk_bytes(method: str, chunk_bytes: object) -> None:
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+
+
+def row_bytes_of(rows: torch.Tensor) -> memoryview:
+    return memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def chunk_entry(rows: torch.Tensor, offset: int, crc: int) -> dict:
+    """The manifest entry of one chunk of ``rows`` (id-ascending) written at ``offset``."""
+    ids = header_words(rows)[:, 0]
+    return {"offset": offset, "rows": len(rows), "min_id": int(ids[0]), "max_id": int(ids[-1]), "crc": crc}
+
+
+def layout_fields(layout: RowLayout) -> dict:
+    """How every manifest and schema states a table's row layout."""
+    return {
+        "dim": layout.dim,
+        "optimizer_state_dim": layout.state_dim,
+        "dtype": dtype_name(layout.dtype),
+        "header_elems": layout.header_elems,
+        "width": layout.width,
+        "row_bytes": layout.row_bytes,
+    }
+
+
+def table_entry(layout: RowLayout, file: Path, chunks: list[dict]) -> dict:
+    """The manifest entry of one table written to ``file`` as ``chunks``."""
+    return {
+        "file": file.name,
+        **layout_fields(layout),
+        "rows": sum(c["rows"] for c in chunks),
+        "bytes": sum(c["rows"] for c in chunks) * layout.row_bytes,
+        "min_id": chunks[0]["min_id"] if chunks else None,
+        "max_id": chunks[-1]["max_id"] if chunks else None,
+        "checksum": CHECKSUM,
+        "chunks": chunks,
+    }
+
+
+def new_chunk_checksum(data: memoryview) -> int:
+    """The checksum written for new chunks (``CHECKSUM``)."""
+    return CHECKSUMS[CHECKSUM](data, 0)
+
+
+def is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def plain_name(value: object) -> bool:
+    return isinstance(value, str) and value == Path(value).name and value not in ("", ".", "..")
+
+
+def table_problem(key: str, table: object) -> str | None:
+    """The first way ``table`` breaks the manifest schema (naming its key), or None."""
+    if not isinstance(table, dict):
+        return f"{key} must be an object"
+    for field in ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows", "bytes"):
+        if not is_count(table.get(field)):
+            return f"{key}.{field} must be an int >= 0; got {table.get(field)!r}"
+    if not plain_name(table.get("file")):
+        return f"{key}.file must be a plain file name inside the checkpoint; got {table.get('file')!r}"
+    if table.get("dtype") not in DTYPES:
+        return f"{key}.dtype must be one of {sorted(DTYPES)}; got {table.get('dtype')!r}"
+    if table.get("checksum") not in CHECKSUMS:
+        return f"{key}.checksum must be one of {sorted(CHECKSUMS)}; got {table.get('checksum')!r}"
+    try:
+        layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
+    except ValueError as exc:
+        return f"{key}: {exc}"
+    derived = {"header_elems": layout.header_elems, "width": layout.width, "row_bytes": layout.row_bytes}
+    for field, value in derived.items():
+        if table[field] != value:
+            return f"{key}.{field} is {table[field]}, but dim, optimizer_state_dim and dtype give {value}"
+    if table["bytes"] != table["rows"] * layout.row_bytes:
+        return f"{key}.bytes is {table['bytes']}, not rows x row_bytes = {table['rows'] * layout.row_bytes}"
+    chunks = table.get("chunks")
+    if not isinstance(chunks, list):
+        return f"{key}.chunks must be a list"
+    offset, rows, last_id = 0, 0, -1
+    for i, chunk in enumerate(chunks):
+        where = f"{key}.chunks[{i}]"
+        if not isinstance(chunk, dict):
+            return f"{where} must be an object"
+        if not (is_count(chunk.get("rows")) and chunk["rows"] > 0):
+            return f"{where}.rows must be an int > 0; got {chunk.get('rows')!r}"
+        if chunk.get("offset") != offset:
+            return f"{where}.offset is {chunk.get('offset')!r}; the chunks must be contiguous, so it must be {offset}"
+        for field in ("min_id", "max_id"):
+            if not is_id(chunk.get(field)):
+                return f"{where}.{field} must be an id in [0, 2**63); got {chunk.get(field)!r}"
+        if not last_id < chunk["min_id"] <= chunk["max_id"]:
+            return (
+                f"{where}: ids must ascend across chunks (min_id {chunk['min_id']}, max_id {chunk['max_id']})"
+            )
+        if not (is_count(chunk.get("crc")) and chunk["crc"] < 2**32):
+            return f"{where}.crc must be an unsigned 32-bit int; got {chunk.get('crc')!r}"
+        offset += chunk["rows"] * layout.row_bytes
+        rows += chunk["rows"]
+        last_id = chunk["max_id"]
+    if rows != table["rows"]:
+        return f"{key}.chunks hold {rows} rows; the table says {table['rows']}"
+    first = chunks[0]["min_id"] if chunks else None
+    last = chunks[-1]["max_id"] if chunks else None
+    if (table.get("min_id"), table.get("max_id")) != (first, last):
+        return f"{key}.min_id/max_id must be the first and last chunk's ({first}, {last})"
+    return None
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """The first way ``manifest`` breaks the schema of ``spec/checkpoint_format.md``, or None."""
+    if not isinstance(manifest, dict):
+        return "the manifest must be a JSON object"
+    if manifest.get("format") != FORMAT_NAME:
+        return f"format {manifest.get('format')!r} is not {FORMAT_NAME!r}"
+    if manifest.get("version") == 2:
+        return (
+            "format version 2 was saved across ranks (bucket-major, one file per rank): load it with "
+            "load_checkpoint(path, module.checkpoint_tables(), process_group=...) on every rank of a "
+            "process group (one rank is fine)"
+        )
+    if manifest.get("version") != FORMAT_VERSION:
+        return (
+            f"format version {manifest.get('version')!r} is not supported "
+            f"(this leanstate reads version {FORMAT_VERSION})"
+        )
+    tables = manifest.get("tables")
+    if not isinstance(tables, dict):
+        return "tables must be an object"
+    for name, table in tables.items():
+        problem = table_problem(f"tables[{name!r}]", table)
+        if problem is not None:
+            return problem
+    views = manifest.get("views", {})
+    if not isinstance(views, dict):
+        return "views must be an object"
+    for name, view in views.items():
+        if not isinstance(view, dict) or view.get("table") not in tables or not is_count(view.get("rows")):
+            return f"views[{name!r}] must name a saved table and its rows"
+    extra = manifest.get("extra")
+    if isinstance(extra, str) and plain_name(extra):  # written before extra had a CRC
+        return None
+    if extra is not None:
+        if not isinstance(extra, dict) or not plain_name(extra.get("file")):
+            return f"extra must be null or {{file, bytes, crc}} with a plain file name; got {extra!r}"
+        if not (is_count(extra.get("bytes")) and is_count(extra.get("crc")) and extra["crc"] < 2**32):
+            return f"extra.bytes and extra.crc must be ints; got {extra!r}"
+    return None
+
+
+def checked_problem(find_problem: Callable[[object], str | None], manifest: object) -> str | None:
+    """``find_problem(manifest)``, where a check that trips over a value of the wrong shape
+    (a missing key, a string for a number) is a problem too, not a crash."""
+    try:
+        return find_problem(manifest)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as exc:
+        return f"malformed ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def optimizer_of(state_dim: int, dim: int) -> str:
+    """Which of the fused optimizers keeps ``state_dim`` values per row of ``dim`` weights."""
+    known = {0: "sgd", 1: "rowwise_adagrad", 2 * dim: "adam"}
+    return f"{known[state_dim]}-sized" if state_dim in known else f"{state_dim} state values per row"
+
+
+def check_layout(where: Path, name: str, table: dict, store: SupportsRows) -> None:
+    layout = store.layout
+    saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES.get(table["dtype"], torch.float32))
+    problems = []
+    if table["dtype"] != dtype_name(layout.dtype):
+        problems.append(f"dtype {table['dtype']} vs the store's {dtype_name(layout.dtype)}")
+    if table["dim"] != layout.dim:
+        problems.append(f"dim {table['dim']} vs the store's {layout.dim}")
+    if table["optimizer_state_dim"] != layout.state_dim:
+        problems.append(
+            f"optimizer_state_dim {table['optimizer_state_dim']} vs the store's {layout.state_dim} (saved "
+            f"{optimizer_of(table['optimizer_state_dim'], table['dim'])}, this store "
+            f"{optimizer_of(layout.state_dim, layout.dim)}: build it with the optimizer it was saved with)"
+        )
+    if not problems and (table["width"], table["row_bytes"]) != (saved.width, saved.row_bytes):
+        problems.append(f"width {table['width']} does not match its own dim, state and dtype")
+    if problems:
+        raise CheckpointError(f"table {name!r} in {where}: " + "; ".join(problems))
+
+
+def check_id_range(id_range: object, method: str) -> tuple[int, int] | None:
+    """``None`` or ``(lo, hi)``: integers with ``lo <= hi``, half-open, up to 2**63."""
+    if id_range is None:
+        return None
+    if not isinstance(id_range, tuple | list) or len(id_range) != 2:
+        raise ValueError(f"{method}: id_range must be None or a pair (lo, hi); got {id_range!r}")
+    lo, hi = id_range
+    for name, value in (("lo", lo), ("hi", hi)):
+        if isinstance(value, bool) or not hasattr(value, "__index__") or not -(2**63) <= int(value) <= 2**63:
+            raise ValueError(f"{method}: id_range {name} must be an int in [-2**63, 2**63]; got {value!r}")
+    if int(lo) > int(hi):
+        raise ValueError(f"{method}: id_range must have lo <= hi; got {id_range!r}")
+    return int(lo), int(hi)
+
+
+def in_range(keys: torch.Tensor, id_range: tuple[int, int]) -> torch.Tensor:
+    """Which ``keys`` lie in the half-open ``id_range`` (bounds may be 2**63, past int64)."""
+    lo, hi = id_range
+    inside = keys >= max(lo, -(2**63))
+    return inside & (keys < hi) if hi < 2**63 else inside
+
+
+def chunks_in_range(table: dict, id_range: tuple[int, int] | None) -> list[tuple[int, dict]]:
+    chunks = list(enumerate(table["chunks"]))
+    if id_range is None:
+        return chunks
+    lo, hi = id_range
+    return [(i, c) for i, c in chunks if c["max_id"] >= lo and c["min_id"] < hi]

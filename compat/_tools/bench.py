@@ -1,0 +1,420 @@
+"""``python -m leanstate bench``: every figure of ``workloads`` beside its peer, in rounds,
+with the ratio, its spread, the target and a verdict; the table, JSON, CSV and plot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from pathlib import Path
+
+import leanstate
+from leanstate import _backends
+from leanstate._tools.workloads import (
+    CheckpointIO,
+    EmbeddingStep,
+    KVGetSet,
+    WrapperStep,
+    load_peak_extra_bytes,
+    samples,
+    sharded_comparison,
+    threads_under_load,
+    zero_comparison,
+)
+
+DCP_TARGET = (">=", 0.7)
+
+
+def _target(component: str, op: str, backend: str) -> tuple[str, float] | None:
+    """The target of ``op`` declared by ``backend``'s engine module of ``component``
+    (``BENCH_TARGETS``: throughput of leanstate / throughput of the peer, 1.0 = as fast,
+    or for memory the plain ratio of the two figures); None: reported, no target."""
+    module, _ = _backends.load(component, backend)
+    return getattr(module, "BENCH_TARGETS", {}).get(op)
+
+
+def _verdict(ratios: list[float], target: tuple[str, float] | None) -> str:
+    """ "yes" when every sample meets the target, "no" when none does, else "noisy"."""
+    if target is None:
+        return "-"
+    op, value = target
+    meets = [(r >= value if op == ">=" else r <= value) for r in ratios]
+    return "yes" if all(meets) else "no" if not any(meets) else "noisy"
+
+
+def _line(component, measure, backend, ours, peer_name, peer, target, *, time=True) -> tuple:
+    """One row of the bench table from samples of leanstate's figure and its peer's (lists
+    of the same length, or one number): medians, the median ratio (a throughput ratio for
+    times, the plain ratio for sizes), the ratios' spread, the target and the verdict."""
+    ours = ours if isinstance(ours, list) else [ours]
+    peer = peer if isinstance(peer, list) else [peer] * len(ours)
+    ratios = [(p / o if time else o / p) for o, p in zip(ours, peer, strict=True)]
+    spread = f"{min(ratios):.4g}..{max(ratios):.4g}" if len(ratios) > 1 else f"{ratios[0]:.4g}"
+    shown = "-" if target is None else f"{target[0]} {target[1]}"
+    return (
+        component, measure, backend, statistics.median(ours), peer_name, statistics.median(peer),
+        statistics.median(ratios), spread, shown, _verdict(ratios, target),
+    )  # fmt: skip
+
+
+def store_figures(
+    rows: int, dim: int, batch: int, backends: list[str] | None = None, rounds: int = 5
+) -> list[tuple]:
+    """The store's rows of the bench table (get, get into ``out``, set, insert with and
+    without ``reserve``, memory) for every available store backend of the registry (or
+    ``backends``), each beside the dense peer."""
+    lines = []
+    for name in _backends.available("kv_store") if backends is None else backends:
+        kv = KVGetSet(rows, dim, batch, name)
+        for op, label, peer_name, ours, peer in (
+            ("get", "get", "dense index_select", kv.get, kv.dense_get),
+            ("get_out", "get(out=)", "index_select(out=)", kv.get_out, kv.dense_get_out),
+            ("set", "set", "dense index_copy_", kv.set, kv.dense_set),
+            ("insert", "insert", "dense index_copy_", kv.insert, kv.dense_set),
+            ("insert_reserved", "reserve+insert", "dense index_copy_", (kv.reserve_next, kv.insert), kv.dense_set),
+        ):  # fmt: skip
+            (ours[1] if isinstance(ours, tuple) else ours)()  # warm-up
+            times = samples({"ours": ours, "peer": peer}, rounds, inner=3)
+            target = _target("kv_store", op, name)
+            lines.append(
+                _line(
+                    "kv_store",
+                    f"{label} {batch} ids s",
+                    name,
+                    times["ours"],
+                    peer_name,
+                    times["peer"],
+                    target,
+                )
+            )
+        per_row = kv.store.memory_bytes() / len(kv.store)
+        target = _target("kv_store", "memory", name)
+        row_bytes = kv.store.layout.row_bytes
+        lines.append(
+            _line("kv_store", "memory bytes/row", name, per_row, "row bytes", row_bytes, target, time=False)
+        )
+        del kv
+    return lines
+
+
+def report(
+    rows: int = 200_000,
+    dim: int = 128,
+    batch: int = 16_384,
+    backend: str | None = None,
+    wrapper_batch: int = 2,
+    quick: bool = False,
+    checkpoint_rows: int | None = None,
+) -> list[dict]:
+    """Run the benchmarks (``quick``: fewer rounds, steps and ranks); rows (dicts of ``COLUMNS``)
+    of leanstate beside its peer, with targets.
+
+    Every figure is measured in several rounds, leanstate's and the peer's interleaved;
+    the row gives the medians, the median ratio and the ratios' spread. ``ratio`` is a
+    throughput ratio for times (peer time / leanstate time: 1.0 = as fast as the peer,
+    higher is better) and the plain ratio leanstate / peer for sizes. ``met`` is "yes"
+    when every round meets the target, "no" when none does, and "noisy" otherwise. The
+    store rows run on every registered backend; the rest on ``backend`` (default: the
+    import-time choice). Targets apply to the accelerated backends; the reference is
+    reported beside them. ``checkpoint_rows``: the table of the checkpoint figures
+    (default ``rows``).
+    """
+    backend = backend or leanstate.backend_info().chosen["kv_store"]
+    checkpoint_rows = checkpoint_rows or rows
+    rounds = 3 if quick else 5
+    lines = []
+
+    def add(component, measure, ours, peer_name, peer, target, *, time=True, name=backend):
+        lines.append(_line(component, measure, name, ours, peer_name, peer, target, time=time))
+
+    lines.extend(store_figures(rows, dim, batch, rounds=rounds))
+    for name in _backends.available("kv_store"):
+        io = CheckpointIO(checkpoint_rows, dim, name)
+        try:
+            io.dcp_save()
+            io.load()
+            times = samples(
+                {
+                    "save": io.save,
+                    "write": io.write_plain,
+                    "load": io.load,
+                    "read": io.read_plain,
+                    "dcp save": io.dcp_save,
+                    "dcp load": io.dcp_load,
+                },
+                rounds,
+            )
+        finally:
+            io.close()
+        for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
+            target = _target("kv_store", op, name)
+            measure = f"{op} {checkpoint_rows} rows s"
+            add("checkpoint", measure, times[op], peer_name, times[peer], target, name=name)
+        for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
+            mine = f"dcp {op}"
+            add(
+                "checkpoint",
+                f"{mine} {checkpoint_rows} rows s",
+                times[mine],
+                f"whole-row {op}",
+                times[op],
+                DCP_TARGET,
+                name=name,
+            )
+    chunk = 16 * 2**20
+    memory = load_peak_extra_bytes(rows, dim, backend, chunk)
+    table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
+    add(
+        "checkpoint",
+        "whole-row load extra MiB",
+        memory["whole"] / 2**20,
+        "2 x chunk + 64 MiB",
+        (2 * chunk + 64 * 2**20) / 2**20,
+        ("<=", 1.0),
+        time=False,
+    )
+    add(
+        "checkpoint",
+        "legacy load extra MiB",
+        memory["legacy"] / 2**20,
+        "table MiB",
+        table / 2**20,
+        (">=", 1.0),
+        time=False,
+    )
+    steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
+    for w in steps.values():
+        w.step()  # warm-up
+    times = samples({v: w.step for v, w in steps.items()}, rounds)
+    saved = {v: w.saved_bytes() for v, w in steps.items()}
+    add(
+        "wrappers",
+        f"checkpoint step s (batch {wrapper_batch})",
+        times["checkpoint"],
+        "torch checkpoint_wrapper",
+        times["torch_checkpoint"],
+        (">=", 0.95),
+        name="reference",
+    )
+    add(
+        "wrappers",
+        "checkpoint saved MiB",
+        saved["checkpoint"] / 2**20,
+        "torch checkpoint_wrapper",
+        saved["torch_checkpoint"] / 2**20,
+        ("<=", 1.0),
+        time=False,
+        name="reference",
+    )
+    add(
+        "wrappers",
+        "offload saved MiB",
+        saved["offload"] / 2**20,
+        "no wrapper",
+        saved["none"] / 2**20,
+        ("<=", 1.0),
+        time=False,
+        name="reference",
+    )
+    add(
+        "wrappers",
+        "torch offload saved MiB",
+        saved["torch_offload"] / 2**20,
+        "no wrapper",
+        saved["none"] / 2**20,
+        None,
+        time=False,
+        name="reference",
+    )
+    add(
+        "wrappers",
+        f"offload step s (batch {wrapper_batch})",
+        times["offload"],
+        "torch offload_wrapper",
+        times["torch_offload"],
+        None,
+        name="reference",
+    )
+    del steps
+    for name, (optimizer, peer) in itertools.product(
+        _backends.available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
+    ):
+        ours = EmbeddingStep("kv", optimizer, rows, dim, backend=name)
+        dense = EmbeddingStep("dense", peer, rows, dim)
+        ours.step()
+        dense.step()
+        times = samples({"ours": ours.step, "peer": dense.step}, rounds)
+        add(
+            "embedding",
+            f"{optimizer} step s (B=4096x20)",
+            times["ours"],
+            f"EmbeddingBag(sparse)+{peer}",
+            times["peer"],
+            _target("embedding", optimizer, name),
+            name=name,
+        )
+        del ours, dense
+    if "numba" in _backends.available("embedding"):
+        loaded = threads_under_load(2 if quick else 3)
+        for figure, measure in (
+            ("step", "256x20 step s, CPU-bound neighbour"),
+            ("set_rows", "set_rows 2 rows s, CPU-bound neighbour"),
+        ):
+            add(
+                "threads",
+                measure,
+                loaded[f"{figure} default"],
+                "NUMBA_NUM_THREADS=1",
+                loaded[f"{figure} one"],
+                (">=", 0.8),
+                name="numba",
+            )  # fmt: skip
+    zero = zero_comparison(steps=4 if quick else 10)
+    add(
+        "zero",
+        "step s (2 ranks, buckets)",
+        zero["steps"]["leanstate"],
+        "torch ZeRO",
+        zero["steps"]["torch"],
+        (">=", 1.05),
+        name="reference",
+    )
+    add(
+        "zero",
+        "broadcasts per step",
+        zero["broadcasts"],
+        "world size",
+        2,
+        ("<=", 1.0),
+        time=False,
+        name="reference",
+    )
+    consolidate = zero["consolidate"]
+    add(
+        "zero",
+        "consolidate s (~32 MiB/rank)",
+        consolidate["leanstate"],
+        "torch ZeRO",
+        consolidate["torch"],
+        (">=", 1.0),
+        name="reference",
+    )
+    add(
+        "zero",
+        "consolidate s (~32 MiB/rank)",
+        consolidate["leanstate"],
+        "budget s",
+        0.1,
+        ("<=", 1.0),
+        time=False,
+        name="reference",
+    )
+    add(
+        "zero",
+        "state MiB on rank 0",
+        zero["state_bytes"] / 2**20,
+        "total / world",
+        zero["even_share"] / 2**20,
+        ("<=", 1.001),
+        time=False,
+        name="reference",
+    )
+    ids = 4096 if quick else 16_384
+    exchange = {"steps": 2, "ids": ids} if quick else {}
+    embedding = leanstate.backend_info().chosen["embedding"]
+    single = sharded_comparison(1, **exchange)
+    for world in (1, 2) if quick else (1, 2, 3):
+        run = single if world == 1 else sharded_comparison(world, **exchange)
+        add(
+            "sharded",
+            f"lookups+updates/s, {world} rank(s) x {ids}",
+            world * ids / run["step"],
+            "1 rank",
+            ids / single["step"],
+            None,
+            time=False,
+            name=embedding,
+        )
+        if world == 1:
+            continue
+        add(
+            "sharded",
+            f"CPU s per lookup+update, all {world} ranks",
+            run["cpu_per_id"],
+            "1 rank",
+            single["cpu_per_id"],
+            ("<=", 1.5) if world == 2 else None,
+            time=False,
+            name=embedding,
+        )
+        add(
+            "sharded",
+            f"bytes exchanged / minimum, {world} ranks",
+            run["bytes"],
+            "distinct ids x (row + grad)",
+            run["min_bytes"],
+            ("<=", 1.1),
+            time=False,
+            name=embedding,
+        )
+        if world == 2:  # where a step's time goes, per rank (the 1-rank run beside it)
+            for phase, seconds in run["phases"].items():
+                add(
+                    "sharded",
+                    f"{phase} s per step, 2 ranks",
+                    seconds,
+                    "1 rank",
+                    single["phases"].get(phase, float("nan")),
+                    None,
+                    time=False,
+                    name=embedding,
+                )
+    return [dict(zip(COLUMNS, line, strict=True)) for line in lines]
+
+
+COLUMNS = (
+    "component", "measure", "backend", "leanstate", "peer", "peer value", "ratio", "spread", "target", "met",
+)  # fmt: skip
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a plain-text table, numbers to four significant digits."""
+
+    def cell(value) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    cells = [list(COLUMNS)] + [[cell(row[c]) for c in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    numeric = {"leanstate", "peer value", "ratio"}
+    out = []
+    for line in cells:
+        out.append(
+            " ".join(
+                value.rjust(width) if COLUMNS[i] in numeric else value.ljust(width)
+                for i, (value, width) in enumerate(zip(line, widths, strict=True))
+            ).rstrip()
+        )
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A PNG of each figure's ratio beside its target (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['component']}: {r['measure']} [{r['backend']}]" for r in rows]
+    figure, axes = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    colours = {"yes": "tab:green", "no": "tab:red", "noisy": "tab:orange", "-": "tab:gray"}
+    axes.barh(range(len(rows)), [r["ratio"] for r in rows], color=[colours[r["met"]] for r in rows])
+    for i, r in enumerate(rows):
+        if r["target"] != "-":
+            axes.plot([float(r["target"].split()[1])] * 2, [i - 0.4, i + 0.4], color="black")
+    axes.set_yticks(range(len(rows)), labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xscale("log")
+    axes.set_xlabel("median ratio against the peer (black: target; green met, red missed, orange noisy)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

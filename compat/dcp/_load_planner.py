@@ -1,0 +1,343 @@
+"""``KVLoadPlanner``: DCP's default load planner, with each KV table streamed chunk by
+chunk into its store: only the chunks that can hold ids this rank owns are read, each
+one's CRC-32C, id order and id range checked before its rows are applied."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata, ReadItem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from leanstate._checkpoint_format import check_layout
+from leanstate.dcp._state import (
+    CRC,
+    FIRST_BUCKET,
+    INDEX_KEY,
+    LAST_BUCKET,
+    MAX_ID,
+    MIN_ID,
+    NROWS,
+    OFFSET,
+    ROWS,
+    SCHEMA,
+    Entry,
+    crc_of,
+    split_key,
+    split_state,
+)
+from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.sharding import BucketedTable, bucket_of, owner_of_bucket
+
+
+@dataclasses.dataclass
+class _Job:
+    """One store to fill from one saved table."""
+
+    table: str  # the saved table's key
+    entry: Entry
+    saved: dict  # its index entry: schema, rows, chunks
+    chunks: list[int]  # the chunks this rank reads
+    crc: torch.Tensor  # the saved CRC of every chunk, as read
+    crc_read: torch.Tensor  # which of them have been read
+    computed: dict[int, int]  # chunk -> CRC of the bytes read, not yet compared
+    expected_rows: int = 0  # about the rows this rank applies: what an empty store reserves
+    reserved: bool = False
+
+
+class KVLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` for the dense part; KV tables stream into their stores.
+
+    For every KV value of the state dict (a store, a KVTensor of one, or a sharded
+    module's ``BucketedTable``), each rank of ``process_group`` (default the world, or
+    one process) reads only the saved chunks that can hold ids it owns, checks each
+    one's CRC-32C, id order and id range, and upserts the rows it owns by the id in
+    their headers. Read-only views are no-ops counted in their ``ignored_writes``.
+    DCP hands each chunk to a reused buffer: memory is about two chunks. Bytes entries
+    of the dense part load with ``weights_only=True``.
+
+    ``stats`` (after the load): per table, ``chunks`` read of ``of``, and ``rows`` applied.
+    Applying starts with the first chunk: :func:`load` verifies every rank's chunks
+    before it applies any into stores that already hold rows, with a
+    ``verify_only=True`` planner, which reads and checks the KV chunks and changes
+    nothing (no row applied, no dense entry read).
+    """
+
+    def __init__(
+        self, *, process_group: dist.ProcessGroup | None = None, verify_only: bool = False, **kwargs
+    ) -> None:
+        super().__init__(**kwargs)
+        self.process_group = process_group
+        self.verify_only = verify_only
+        self.stats: dict[str, dict[str, int]] = {}
+
+    def set_up_planner(
+        self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        method = "KVLoadPlanner"
+        dense, entries = split_state(state_dict, method)
+        self._outer = state_dict
+        if dist.is_available() and dist.is_initialized():
+            group = self.process_group or dist.group.WORLD
+            self._rank, self._world = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            self._rank, self._world = 0, 1
+        index = (metadata.planner_data or {}).get(INDEX_KEY) if metadata is not None else None
+        if entries and index is None:
+            raise CheckpointError(
+                f"{method}: the checkpoint holds no leanstate KV tables, but the state dict asks for "
+                f"{sorted(entries)}"
+            )
+        self._jobs: dict[str, _Job] = {}
+        by_store: dict[int, str] = {}
+        for fqn, entry in entries.items():
+            saved_fqn = index["views"].get(fqn, {}).get("view_of", fqn)
+            if saved_fqn not in index["tables"]:
+                have = ", ".join(sorted(index["tables"])) or "none"
+                raise CheckpointError(f"{method}: table {fqn!r} is not in the checkpoint (it has: {have})")
+            saved = index["tables"][saved_fqn]
+            if entry.view is not None and entry.view.read_only:
+                entry.view.ignored_writes += index["views"].get(fqn, {}).get("rows", saved["rows"])
+                continue
+            if entry.bucketing is None and self._world > 1:
+                raise CheckpointError(
+                    f"{method}: {fqn!r} is a plain store on a {self._world}-rank group; pass a sharded "
+                    "module's checkpoint_tables() (BucketedTable values), or load it in a one-rank group"
+                )
+            check_layout(Path(saved_fqn), fqn, saved["schema"], entry.store)
+            if id(entry.store) in by_store:
+                if self._jobs[by_store[id(entry.store)]].table != saved_fqn:
+                    raise CheckpointError(
+                        f"{method}: {fqn!r} and {by_store[id(entry.store)]!r} share a store"
+                    )
+                continue
+            by_store[id(entry.store)] = fqn
+            count = len(saved["chunks"])
+            self._jobs[fqn] = _Job(
+                saved_fqn,
+                entry,
+                saved,
+                [
+                    k
+                    for k, chunk in enumerate(saved["chunks"])
+                    if self._may_own(entry, saved["schema"], chunk)
+                ],
+                torch.zeros(count, dtype=torch.int64),
+                torch.zeros(count, dtype=torch.bool),
+                {},
+            )
+        self._buffers = threading.local()
+        self._lock = threading.Lock()
+        self._kv_items = 0
+        self._committed = 0
+        super().set_up_planner(dense, metadata, is_coordinator)
+
+    def _may_own(self, entry: Entry, schema: dict, chunk: list) -> bool:
+        """Whether ``chunk`` can hold ids this rank owns (by its bucket or id range)."""
+        if entry.bucketing is None:
+            return True
+        buckets, size = entry.bucketing
+        if schema["bucketing"] == [buckets, size]:
+            first, last = chunk[FIRST_BUCKET], chunk[LAST_BUCKET]
+        elif size is not None:  # chunk mode: buckets ascend with ids
+            first, last = (
+                int(bucket_of(torch.tensor([chunk[i]]), total_num_buckets=buckets, bucket_size=size))
+                for i in (MIN_ID, MAX_ID)
+            )
+        else:
+            return True
+        low, high = (
+            owner_of_bucket(b, world_size=self._world, total_num_buckets=buckets) for b in (first, last)
+        )
+        return low <= self._rank <= high
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = LoadPlan([]) if self.verify_only else super().create_local_plan()
+        meta, rows = [], []
+        for job in self._jobs.values():
+            stored = self.metadata.state_dict_metadata
+            for chunk in stored[job.table + CRC].chunks if job.saved["chunks"] else []:
+                meta.append(_read_item(job.table + CRC, chunk.offsets, chunk.sizes))
+            size = len(json.dumps(job.saved["schema"]).encode())
+            meta.append(_read_item(job.table + SCHEMA, (0,), (size,)))
+            r = job.saved["schema"]["row_bytes"]
+            for k in job.chunks:
+                chunk = job.saved["chunks"][k]
+                rows.append(_read_item(job.table + ROWS, (chunk[OFFSET], 0), (chunk[NROWS], r)))
+            self.stats[job.table] = {"chunks": 0, "of": len(job.saved["chunks"]), "rows": 0}
+            planned = sum(job.saved["chunks"][k][NROWS] for k in job.chunks)
+            pruned = len(job.chunks) < len(job.saved["chunks"]) or self._world == 1
+            job.expected_rows = planned if pruned else -(-planned // self._world)
+        self._kv_items = len(meta) + len(rows)
+        # The CRCs first: the reader reads a file's items in plan order, so each chunk's CRC
+        # is known before the chunk arrives.
+        return dataclasses.replace(plan, items=meta + list(plan.items) + rows)
+
+    def describe(self, read_item: ReadItem) -> str:
+        """What ``read_item`` is, in words: a KV table's chunk by table and number."""
+        job, suffix = self._job_of(read_item.dest_index.fqn)
+        if job is not None and suffix == ROWS:
+            offset = read_item.dest_offsets[0]
+            k = next(i for i in job.chunks if job.saved["chunks"][i][OFFSET] == offset)
+            return f"table {job.table!r} chunk {k} (rows {offset}..{offset + read_item.lengths[0]})"
+        if job is not None:
+            return f"table {job.table!r} {suffix[1:]}"
+        return f"item {read_item.dest_index.fqn!r}"
+
+    def _job_of(self, key: str) -> tuple[_Job | None, str]:
+        fqn, suffix = split_key(key)
+        if suffix:
+            for job in self._jobs.values():
+                if job.table == fqn:
+                    return job, suffix
+        return None, suffix
+
+    def resolve_tensor(self, read_item: ReadItem):
+        job, suffix = self._job_of(read_item.dest_index.fqn)
+        if job is None:
+            return super().resolve_tensor(read_item)
+        if suffix == CRC:
+            start, length = read_item.dest_offsets[0], read_item.lengths[0]
+            return job.crc.narrow(0, start, length)
+        if suffix == SCHEMA:
+            return torch.empty(read_item.lengths[0], dtype=torch.uint8)
+        n, r = read_item.lengths
+        buffers = self._buffers.__dict__
+        buffer = buffers.get(r)
+        if buffer is None or buffer.numel() < n * r:
+            buffer = buffers[r] = torch.empty(n * r, dtype=torch.uint8)
+        return buffer[: n * r].view(n, r)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        job, suffix = self._job_of(read_item.dest_index.fqn)
+        if job is None:
+            return super().commit_tensor(read_item, tensor)
+        if suffix == CRC:
+            start, length = read_item.dest_offsets[0], read_item.lengths[0]
+            with self._lock:
+                job.crc_read[start : start + length] = True
+        elif suffix == SCHEMA:
+            if bytes(tensor.numpy()) != json.dumps(job.saved["schema"]).encode():
+                raise CheckpointError(
+                    f"KVLoadPlanner: table {job.table!r}: its schema item differs from the index in .metadata"
+                )
+        else:
+            self._commit_rows(job, read_item, tensor)
+        self._count_commit()
+
+    def _count_commit(self) -> None:
+        with self._lock:
+            self._committed += 1
+            last = self._committed == self._kv_items
+        if last:
+            self._check_deferred()
+
+    def accepts_loaded(self, read_item: ReadItem) -> bool:
+        """Whether ``read_item`` is a KV chunk, which :class:`SafeFileSystemReader` reads into
+        its own reused buffer and hands to :meth:`commit_loaded` (the buffer of
+        ``resolve_tensor`` is for other readers)."""
+        job, suffix = self._job_of(read_item.dest_index.fqn)
+        return job is not None and suffix == ROWS
+
+    def commit_loaded(self, read_item: ReadItem, rows: torch.Tensor) -> None:
+        """Check and apply a KV chunk a reader has loaded (``uint8 [n, R]``)."""
+        job, _ = self._job_of(read_item.dest_index.fqn)
+        self._commit_rows(job, read_item, rows.contiguous())
+        self._count_commit()
+
+    def _commit_rows(self, job: _Job, read_item: ReadItem, rows: torch.Tensor) -> None:
+        offset = read_item.dest_offsets[0]
+        k = next(i for i in job.chunks if job.saved["chunks"][i][OFFSET] == offset)
+        chunk = job.saved["chunks"][k]
+        where = f"table {job.table!r}: chunk {k} (rows {offset}..{offset + chunk[NROWS]})"
+        crc = crc_of(rows)
+        with self._lock:
+            known = bool(job.crc_read[k])
+            if not known:
+                job.computed[k] = crc
+        if known and crc != int(job.crc[k]):
+            raise CheckpointError(f"KVLoadPlanner: {where} fails its crc32c check; the checkpoint is corrupt")
+        schema = job.saved["schema"]
+        layout = job.entry.store.layout
+        ids = rows[:, :8].contiguous().view(torch.int64).flatten()
+        if schema["bucketing"] is None:
+            ascending = bool((ids[1:] > ids[:-1]).all())
+        else:
+            b = bucket_of(ids, total_num_buckets=schema["bucketing"][0], bucket_size=schema["bucketing"][1])
+            step = b[1:] - b[:-1]
+            ascending = bool(((step > 0) | ((step == 0) & (ids[1:] > ids[:-1]))).all())
+        if not ascending or (int(ids.min()), int(ids.max())) != (chunk[MIN_ID], chunk[MAX_ID]):
+            raise CheckpointError(
+                f"KVLoadPlanner: {where}: its ids are out of order or outside {chunk[MIN_ID]}..{chunk[MAX_ID]}"
+            )
+        stats = self.stats[job.table]
+        stats["chunks"] += 1
+        if self.verify_only:
+            return
+        values = rows.view(layout.dtype)
+        if job.entry.bucketing is not None:
+            buckets, size = job.entry.bucketing
+            table = BucketedTable(job.entry.store, buckets, size)
+            mine = table.owner(ids, self._world) == self._rank
+            if not bool(mine.all()):
+                values = values[mine]
+        if not job.reserved:  # grow an empty store once, as the native load does
+            job.reserved = True
+            if len(job.entry.store) == 0:
+                job.entry.store.reserve(job.expected_rows)
+        if len(values):
+            job.entry.store.set_rows(values.to(getattr(job.entry.store, "device", "cpu")))
+        stats["rows"] += len(values)
+
+    def _check_deferred(self) -> None:
+        """Compare the chunks that arrived before their CRC (another file's order)."""
+        for job in self._jobs.values():
+            for k, crc in sorted(job.computed.items()):
+                if not bool(job.crc_read[k]) or crc != int(job.crc[k]):
+                    raise CheckpointError(
+                        f"KVLoadPlanner: table {job.table!r}: chunk {k} fails its crc32c check; the checkpoint "
+                        "is corrupt"
+                    )
+            job.computed.clear()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"KVLoadPlanner: {read_item.dest_index.fqn!r} does not load with weights_only=True "
+                f"({type(exc).__name__}); only tensors, numbers, strings and containers of them load"
+            ) from exc
+        path = (
+            self.mappings.get(read_item.dest_index.fqn, (read_item.dest_index.fqn,))
+            if self.flatten_state_dict
+            else (read_item.dest_index.fqn,)
+        )
+        for root in (self.original_state_dict, self._outer):
+            _set_path(root, path, loaded)
+
+
+def _set_path(root, path: tuple, value) -> None:
+    node = root
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _read_item(fqn: str, offsets, lengths) -> ReadItem:
+    offsets = torch.Size(offsets)
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn, offsets),
+        dest_offsets=offsets,
+        storage_index=MetadataIndex(fqn, offsets),
+        storage_offsets=torch.Size([0] * len(offsets)),
+        lengths=torch.Size(lengths),
+    )

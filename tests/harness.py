@@ -1,0 +1,153 @@
+"""The one shared test harness: golden vectors, a settable clock, memory probes, ports and
+process groups. Test files import from here, never from each other."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VECTORS = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+
+
+class FakeClock:
+    """A settable clock in whole seconds, for deterministic headers."""
+
+    def __init__(self, now: int = 1_700_000_000) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+# -- stores -------------------------------------------------------------------------------
+
+
+def check_backend(backend: str, examples: int = 80) -> None:
+    """Run the conformance kit's state machine on ``backend``'s stores against the reference
+    (shard counts vary with the seed)."""
+    from leanstate.kv_store import KVStore
+    from leanstate.testing import run_store_machine
+
+    def make_store(dim, *, seed, **options):
+        return KVStore(dim, backend=backend, seed=seed, num_shards=1 + seed % 5, **options)
+
+    run_store_machine(make_store, examples=examples)
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+PROBE_PRELUDE = '''
+import ctypes, gc
+
+def resident_bytes(field="VmRSS"):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+def reset_peak():
+    """Free what can be freed, reset the high-water mark to the current RSS; that RSS."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap, so the base is tight
+    base = resident_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return base
+
+def peak_since(base):
+    return resident_bytes("VmHWM") - base
+'''
+
+
+def run_probe(script: str, *args: object, timeout: float = 600) -> dict:
+    """Run ``script`` in a fresh Python with :data:`PROBE_PRELUDE`'s ``reset_peak()`` and
+    ``peak_since(base)`` defined; the JSON it prints last."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE_PRELUDE + script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- ranks --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (picked before the ranks bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, folder: str, module: str, names: list[str] | None) -> None:
+    """Run the scenarios ``names`` (default ``BY_WORLD[world]``) of test module ``module`` on this rank."""
+    scenarios = importlib.import_module(module).SCENARIOS
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    results = {}
+    for name in names if names is not None else importlib.import_module(module).BY_WORLD[world]:
+        try:
+            scenarios[name](rank, world, folder)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+            print(f"world {world} rank {rank} {name}:\n{results[name]}", file=sys.stderr, flush=True)
+        dist.barrier()
+    Path(folder, f"world{world}-rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_world(world: int, folder: Path, module: str, names: list[str] | None = None) -> dict[str, list[str]]:
+    """Spawn ``world`` gloo ranks running ``module``'s ``SCENARIOS``; scenario -> failures.
+
+    A world whose processes die (not a failing scenario: those are recorded) is started
+    once more on a fresh port, since the port is picked before the ranks bind it.
+    """
+    try:
+        return _run_world_once(world, folder, module, names)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as exc:
+        print(f"world {world} died ({type(exc).__name__}); starting it again", file=sys.stderr)
+        return _run_world_once(world, folder, module, names)
+
+
+def _run_world_once(world: int, folder: Path, module: str, names: list[str] | None) -> dict[str, list[str]]:
+    args = (world, free_port(), str(folder), module, names)
+    context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"world of {world} did not finish")
+    outcome: dict[str, list[str]] = {}
+    for rank in range(world):
+        for name, result in json.loads((folder / f"world{world}-rank{rank}.json").read_text()).items():
+            if result != "ok":
+                outcome.setdefault(name, []).append(f"rank {rank}:\n{result}")
+            else:
+                outcome.setdefault(name, [])
+    return outcome
