@@ -22,28 +22,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from leanstate import _backends
-from leanstate._bag_steps import (
-    FusedOptimizer,
-    Tables,
-    apply_gradient,
-    build_bag,
-    per_feature,
-    prepare,
-    table_inputs,
-)
+from leanstate._bag_input import checked_batch
+from leanstate._collection import TableCollection
 from leanstate._rows import copy_rows
+from leanstate._torchrec_shapes import KeyedJaggedTensor, KeyedTensor, KVTableConfig, table_inputs
 from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import pad4
 
-_DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+__all__ = ["KVEmbeddingBag", "KVEmbeddingBagCollection", "KVTableConfig", "KeyedJaggedTensor", "KeyedTensor"]
 
 
 class _FusedUpdate(torch.autograd.Function):
@@ -68,8 +61,8 @@ class _FusedUpdate(torch.autograd.Function):
                 output_size=len(inverse),
             )
             grad_weights = (grad_output.to(rows.device)[bag_of] * rows[inverse]).sum(1)
-        apply_gradient(
-            ctx.bag, unique, inverse, offsets, weights.detach() if weights is not None else None, grad_output
+        ctx.bag.apply_gradient(
+            unique, inverse, offsets, weights.detach() if weights is not None else None, grad_output
         )
         return None, None, None, None, None, grad_weights
 
@@ -174,7 +167,7 @@ class KVEmbeddingBag(nn.Module):
                 "return_whole_row=True needs optimizer_offloading=True (the whole row holds the "
                 "optimizer state only when it is offloaded into the row); pass return_whole_row=False"
             )
-        if dtype not in _DATA_TYPES.values():
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"KVEmbeddingBag: dtype must be float32, float16 or bfloat16; got {dtype!r}")
         name, module = _backends.resolve("embedding", backend)
         self._config = dict(
@@ -213,6 +206,28 @@ class KVEmbeddingBag(nn.Module):
             state_start=state_start,
             state_width=state_width,
             optimizer=optimizer,
+        )
+
+    @classmethod
+    def from_config(cls, config: KVTableConfig, *, clock=None, backend: str | None = None) -> KVEmbeddingBag:
+        """The bag a :class:`KVTableConfig` describes."""
+        return cls(
+            config.num_embeddings,
+            config.embedding_dim,
+            mode=config.pooling,
+            optimizer=config.optimizer,
+            lr=config.lr,
+            eps=config.eps,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+            optimizer_offloading=config.optimizer_offloading,
+            return_whole_row=config.return_whole_row,
+            dtype=config.data_type,
+            num_shards=config.num_shards,
+            init_range=(config.weight_init_min, config.weight_init_max),
+            seed=config.seed,
+            clock=clock,
+            backend=backend,
         )
 
     @property
@@ -258,11 +273,77 @@ class KVEmbeddingBag(nn.Module):
         mode only) has ``input``'s shape. Negative ids are padding: they add nothing, do
         not count in a mean, and are counted in ``stats["padding_ids"]``.
         """
-        unique, inverse, ends, per_sample_weights = prepare(self, input, offsets, per_sample_weights)
+        unique, inverse, ends, per_sample_weights = self.prepare_batch(input, offsets, per_sample_weights)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
         return _FusedUpdate.apply(anchor, self, unique, inverse, ends, per_sample_weights)
 
     # -- the fused optimizer ------------------------------------------------------------
+
+    def prepare_batch(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch as the engine takes it: (distinct ids, the index of each id among them,
+        bag ends ``[B + 1]``, float32 weights or None), padding removed, every argument
+        checked as :meth:`forward` documents, and ``stats`` counted. The sharded
+        collection prepares each rank's batch of a table with this too."""
+        ids, offsets, per_sample_weights = checked_batch(
+            input,
+            offsets,
+            per_sample_weights,
+            device=self.device,
+            num_embeddings=self.num_embeddings,
+            mode=self.mode,
+        )
+        device = ids.device
+        ends = torch.cat([offsets, torch.tensor([len(ids)], device=device)])
+        keep = ids >= 0
+        padding = len(ids) - int(keep.sum())
+        if padding:
+            positions = torch.arange(len(offsets), device=device)
+            bag_of = torch.repeat_interleave(positions, torch.diff(ends), output_size=len(ids))
+            kept = torch.bincount(bag_of[keep], minlength=len(offsets))
+            ends = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(kept, 0)])
+            ids = ids[keep]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights[keep]
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        self.stats["batches"] += 1
+        self.stats["ids"] += len(ids) + padding
+        self.stats["padding_ids"] += padding
+        self.stats["unique_ids"] += len(unique)
+        return unique, inverse, ends, per_sample_weights
+
+    def apply_gradient(
+        self,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        grad_output: torch.Tensor,
+        *,
+        mean: bool | None = None,
+    ) -> None:
+        """One fused optimizer step on the rows of the distinct ``unique`` ids, from the
+        gradient of the pooled output (what backward does; ``mean``: whether the bags were
+        means, default this bag's mode)."""
+        self.optimizer_step += 1
+        beta1, beta2 = self.betas
+        self.engine.update(
+            unique,
+            inverse,
+            offsets,
+            per_sample_weights,
+            self.mode == "mean" if mean is None else mean,
+            grad_output.to(self.device, torch.float32),
+            hyperparameters=dict(
+                lr=self.lr, eps=self.eps, beta1=beta1, beta2=beta2, weight_decay=self.weight_decay
+            ),
+            step=self.optimizer_step,
+            now=self.store.now(),
+        )
 
     # -- state ----------------------------------------------------------------------
 
@@ -339,160 +420,7 @@ class KVEmbeddingBag(nn.Module):
         self.optimizer_step = int(extra["optimizer_step"])
 
 
-def _data_type(value: object) -> torch.dtype:
-    """A torch dtype, or TorchRec's ``DataType.FP32/FP16/BF16`` (or its name), as a dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    name = getattr(value, "name", value)
-    if isinstance(name, str) and name.upper() in _DATA_TYPES:
-        return _DATA_TYPES[name.upper()]
-    raise TypeError(f"KVTableConfig: data_type must be a torch dtype or FP32/FP16/BF16; got {value!r}")
-
-
-def _pooling(value: object) -> str:
-    """``"sum"``/``"mean"``, or TorchRec's ``PoolingType.SUM/MEAN``, as a mode name."""
-    name = getattr(value, "name", value)
-    if isinstance(name, str) and name.lower() in ("sum", "mean"):
-        return name.lower()
-    raise ValueError(f"KVTableConfig: pooling must be 'sum' or 'mean'; got {value!r}")
-
-
-@dataclass
-class KVTableConfig:
-    """One table of a :class:`KVEmbeddingBagCollection`, with TorchRec EmbeddingBagConfig's names.
-
-    ``feature_names`` (default ``[name]``) may list several features: they share the
-    table's rows, and each is pooled on its own. ``data_type`` and ``pooling`` take torch
-    dtypes and strings, or TorchRec's ``DataType``/``PoolingType`` members.
-
-    Example::
-
-        >>> KVTableConfig("items", 64, feature_names=["clicked", "bought"], optimizer="rowwise_adagrad")
-    """
-
-    name: str
-    embedding_dim: int
-    num_embeddings: int | None = None
-    feature_names: list[str] = field(default_factory=list)
-    pooling: str = "sum"
-    data_type: torch.dtype = torch.float32
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    eps: float = 1e-8
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    optimizer_offloading: bool = True
-    return_whole_row: bool = True
-    num_shards: int = 8
-    weight_init_min: float = -0.01
-    weight_init_max: float = 0.01
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"KVTableConfig: name must be a non-empty string; got {self.name!r}")
-        self.feature_names = list(self.feature_names) or [self.name]
-        self.pooling = _pooling(self.pooling)
-        self.data_type = _data_type(self.data_type)
-
-
-class KeyedJaggedTensor:
-    """TorchRec's KeyedJaggedTensor, as much of it as the collection reads.
-
-    ``values`` holds every feature's ids, key-major; ``lengths`` (or ``offsets``,
-    ``len(keys) * B + 1`` of them) says how many belong to each (key, sample); ``weights``
-    are optional per-id weights. A real ``torchrec.KeyedJaggedTensor`` works as well.
-
-    Example::
-
-        >>> KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 1, 0]))
-    """
-
-    def __init__(
-        self,
-        keys: Sequence[str],
-        values: torch.Tensor,
-        weights: torch.Tensor | None = None,
-        lengths: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-    ) -> None:
-        if (lengths is None) == (offsets is None):
-            raise ValueError("KeyedJaggedTensor: pass exactly one of lengths and offsets")
-        self._keys, self._values, self._weights = list(keys), values, weights
-        self._lengths = lengths if lengths is not None else torch.diff(offsets)
-
-    @classmethod
-    def from_lengths_sync(cls, keys, values, lengths, weights=None) -> KeyedJaggedTensor:
-        """TorchRec's constructor by lengths."""
-        return cls(keys, values, weights=weights, lengths=lengths)
-
-    def keys(self) -> list[str]:
-        """The feature names."""
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        """Every id, key-major."""
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        """Ids per (key, sample), key-major."""
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """Where each (key, sample) starts in ``values``, plus the end."""
-        return torch.cat([torch.zeros(1, dtype=self._lengths.dtype), torch.cumsum(self._lengths, 0)])
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        """The per-id weights, or None."""
-        return self._weights
-
-    def __repr__(self) -> str:
-        return f"KeyedJaggedTensor(keys={self._keys}, values={len(self._values)}, weighted={self._weights is not None})"
-
-
-class KeyedTensor:
-    """TorchRec's KeyedTensor: per-key pooled embeddings side by side in one ``[B, sum D]`` tensor."""
-
-    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: torch.Tensor) -> None:
-        self._keys, self._lengths, self._values = list(keys), list(length_per_key), values
-        starts = [0]
-        for length in self._lengths:
-            starts.append(starts[-1] + length)
-        self._offsets = starts
-
-    def keys(self) -> list[str]:
-        """The feature names, in column order."""
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        """``[B, sum D]``."""
-        return self._values
-
-    def length_per_key(self) -> list[int]:
-        """D of each key."""
-        return self._lengths
-
-    def offset_per_key(self) -> list[int]:
-        """First column of each key, plus the total."""
-        return self._offsets
-
-    def key_dim(self) -> int:
-        """The dimension the keys run along (1)."""
-        return 1
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        index = self._keys.index(key)
-        return self._values[:, self._offsets[index] : self._offsets[index + 1]]
-
-    def to_dict(self) -> dict[str, torch.Tensor]:
-        """Key -> ``[B, D]``."""
-        return {key: self[key] for key in self._keys}
-
-    def __repr__(self) -> str:
-        return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
-
-
-class KVEmbeddingBagCollection(nn.Module):
+class KVEmbeddingBagCollection(TableCollection):
     """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
 
     Args:
@@ -522,7 +450,6 @@ class KVEmbeddingBagCollection(nn.Module):
         clock=None,
         backend: str | None = None,
     ) -> None:
-        super().__init__()
         if isinstance(tables, Mapping):
             bags = dict(tables)
             features = {name: [name] for name in bags}
@@ -533,38 +460,22 @@ class KVEmbeddingBagCollection(nn.Module):
             names = [c.name for c in configs]
             if len(set(names)) != len(names):
                 raise ValueError(f"KVEmbeddingBagCollection: table names must be unique; got {names}")
-            bags = {c.name: build_bag(c, clock=clock, backend=backend) for c in configs}
+            bags = {c.name: KVEmbeddingBag.from_config(c, clock=clock, backend=backend) for c in configs}
             features = {c.name: c.feature_names for c in configs}
         if not bags:
             raise ValueError("KVEmbeddingBagCollection: no tables")
         everything = [f for names in features.values() for f in names]
         if len(set(everything)) != len(everything):
             raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
-        self._fused_optimizer = None
-        self.embedding_bags = Tables(bags)
-        self._table_features = features
-
-    @property
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one group per table, its
-        ``lr`` the bag's): what ``torch.optim.lr_scheduler`` schedulers drive."""
-        if self._fused_optimizer is None:
-            self._fused_optimizer = FusedOptimizer(dict(self.embedding_bags.items()))
-        return self._fused_optimizer
-
-    def feature_names(self) -> list[str]:
-        """Every feature, in output order."""
-        return [f for names in self._table_features.values() for f in names]
+        super().__init__(bags, features)
 
     def forward(self, features) -> KeyedTensor:
         """Pool each feature of ``features`` in its table; a :class:`KeyedTensor`."""
         batch, inputs = table_inputs(features, self._table_features)
-        pooled, dims = [], []
-        for table, (ids, offsets, weights) in inputs.items():
-            bag = self.embedding_bags[table]
-            pooled.extend(per_feature(bag(ids, offsets, weights), len(self._table_features[table]), batch))
-            dims.extend([bag.embedding_dim] * len(self._table_features[table]))
-        return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))
+        pooled = {
+            table: self.embedding_bags[table](*batch_of_table) for table, batch_of_table in inputs.items()
+        }
+        return self._keyed(batch, pooled)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""
@@ -573,12 +484,3 @@ class KVEmbeddingBagCollection(nn.Module):
             for table, bag in self.embedding_bags.named_children()
             for name, value in bag.checkpoint_tables().items()
         }
-
-    def extra_state(self) -> dict[str, dict[str, int]]:
-        """Table name -> that bag's ``extra_state()``."""
-        return {table: bag.extra_state() for table, bag in self.embedding_bags.named_children()}
-
-    def load_extra_state(self, extra: Mapping[str, Mapping[str, int]]) -> None:
-        """Restore what :meth:`extra_state` returned."""
-        for table, bag in self.embedding_bags.named_children():
-            bag.load_extra_state(extra[table])

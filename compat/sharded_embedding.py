@@ -30,18 +30,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from leanstate._bag_steps import (
-    FusedOptimizer,
-    Tables,
-    apply_gradient,
-    build_bag,
-    per_feature,
-    prepare,
-    table_inputs,
-)
-from leanstate.embedding import KeyedTensor, KVTableConfig
+from leanstate._collection import TableCollection
+from leanstate._torchrec_shapes import KeyedTensor, KVTableConfig, table_inputs
+from leanstate.embedding import KVEmbeddingBag
 from leanstate.reference.sharding import BucketedTable, bucket_owner, bucket_range
 
 
@@ -85,7 +77,7 @@ class _ShardedLookup(torch.autograd.Function):
         return None, None, None
 
 
-class ShardedKVEmbeddingBagCollection(nn.Module):
+class ShardedKVEmbeddingBagCollection(TableCollection):
     """KV embedding tables sharded across the ranks of ``process_group`` by buckets.
 
     Args:
@@ -115,7 +107,6 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         clock=None,
         backend: str | None = None,
     ) -> None:
-        super().__init__()
         configs = list(tables)
         if not configs or not all(isinstance(c, KVTableConfig) for c in configs):
             raise TypeError(
@@ -134,9 +125,10 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         # The exchange runs where the group's backend moves data: NCCL moves CUDA tensors only.
         nccl = dist.get_backend(self.process_group) == "nccl"
         self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self._fused_optimizer = None
-        self.embedding_bags = Tables({c.name: build_bag(c, clock=clock, backend=backend) for c in configs})
-        self._table_features = {c.name: c.feature_names for c in configs}
+        super().__init__(
+            {c.name: KVEmbeddingBag.from_config(c, clock=clock, backend=backend) for c in configs},
+            {c.name: c.feature_names for c in configs},
+        )
         # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
         self.bucketing = {
             c.name: (total_num_buckets, None)
@@ -157,18 +149,6 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
             f"bucketing={self.bucketing}"
         )
 
-    @property
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one group per table, its
-        ``lr`` the bag's): what ``torch.optim.lr_scheduler`` schedulers drive."""
-        if self._fused_optimizer is None:
-            self._fused_optimizer = FusedOptimizer(dict(self.embedding_bags.items()))
-        return self._fused_optimizer
-
-    def feature_names(self) -> list[str]:
-        """Every feature, in output order."""
-        return [f for names in self._table_features.values() for f in names]
-
     def owned_buckets(self, table: str) -> tuple[int, int]:
         """The buckets ``[first, end)`` of ``table`` this rank owns."""
         return bucket_range(self.rank, self.world_size, self.bucketing[table][0])
@@ -182,17 +162,13 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
         """Pool this rank's batch; rows come from (and gradients go to) their owners."""
         batch, inputs = table_inputs(features, self._table_features)
         prepared = {
-            table: prepare(self.embedding_bags[table], ids, offsets, weights)
+            table: self.embedding_bags[table].prepare_batch(ids, offsets, weights)
             for table, (ids, offsets, weights) in inputs.items()
         }
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
         outputs = _ShardedLookup.apply(anchor, self, prepared)
-        pooled, dims = [], []
-        for table, out in zip(prepared, outputs, strict=True):
-            pooled.extend(per_feature(out, len(self._table_features[table]), batch))
-            dims.extend([self.embedding_bags[table].embedding_dim] * len(self._table_features[table]))
         self.exchange_stats["steps"] += 1
-        return KeyedTensor(self.feature_names(), dims, torch.cat(pooled, dim=1))
+        return self._keyed(batch, dict(zip(prepared, outputs, strict=True)))
 
     # -- checkpoints ----------------------------------------------------------------
 
@@ -207,15 +183,6 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
             if bag.state_store is not None:
                 tables[f"{name}.optimizer_state"] = BucketedTable(bag.state_store, buckets, size)
         return tables
-
-    def extra_state(self) -> dict[str, dict[str, int]]:
-        """Table name -> its bag's ``extra_state()`` (the same on every rank)."""
-        return {name: bag.extra_state() for name, bag in self.embedding_bags.named_children()}
-
-    def load_extra_state(self, extra) -> None:
-        """Restore what :meth:`extra_state` returned."""
-        for name, bag in self.embedding_bags.named_children():
-            bag.load_extra_state(extra[name])
 
     # -- the exchange ---------------------------------------------------------------
 
@@ -276,4 +243,4 @@ class ShardedKVEmbeddingBagCollection(nn.Module):
             # received rows are in (source rank, position) order: each its own one-row bag
             owned, owned_inverse = torch.unique(plan.recv_ids, return_inverse=True)
             positions = torch.arange(len(received) + 1, dtype=torch.int64)
-            apply_gradient(bag, owned, owned_inverse, positions, None, received, mean=False)
+            bag.apply_gradient(owned, owned_inverse, positions, None, received, mean=False)

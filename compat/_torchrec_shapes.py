@@ -1,0 +1,235 @@
+"""TorchRec's shapes, as much of them as the collections read and return:
+``KeyedJaggedTensor`` input (every feature's ids, key-major, with lengths or offsets
+and optional per-id weights) and ``KeyedTensor`` output (per-key pooled embeddings side
+by side), and how a collection cuts a KeyedJaggedTensor-like into per-table bags.
+A real ``torchrec.KeyedJaggedTensor`` works as input as well. ``KVTableConfig`` is
+EmbeddingBagConfig's shape for a KV table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+class KeyedJaggedTensor:
+    """TorchRec's KeyedJaggedTensor, as much of it as the collection reads.
+
+    ``values`` holds every feature's ids, key-major; ``lengths`` (or ``offsets``,
+    ``len(keys) * B + 1`` of them) says how many belong to each (key, sample); ``weights``
+    are optional per-id weights. A real ``torchrec.KeyedJaggedTensor`` works as well.
+
+    Example::
+
+        >>> KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 1, 0]))
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> None:
+        if (lengths is None) == (offsets is None):
+            raise ValueError("KeyedJaggedTensor: pass exactly one of lengths and offsets")
+        self._keys, self._values, self._weights = list(keys), values, weights
+        self._lengths = lengths if lengths is not None else torch.diff(offsets)
+
+    @classmethod
+    def from_lengths_sync(cls, keys, values, lengths, weights=None) -> KeyedJaggedTensor:
+        """TorchRec's constructor by lengths."""
+        return cls(keys, values, weights=weights, lengths=lengths)
+
+    def keys(self) -> list[str]:
+        """The feature names."""
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        """Every id, key-major."""
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        """Ids per (key, sample), key-major."""
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        """Where each (key, sample) starts in ``values``, plus the end."""
+        return torch.cat([torch.zeros(1, dtype=self._lengths.dtype), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        """The per-id weights, or None."""
+        return self._weights
+
+    def __repr__(self) -> str:
+        return f"KeyedJaggedTensor(keys={self._keys}, values={len(self._values)}, weighted={self._weights is not None})"
+
+
+class KeyedTensor:
+    """TorchRec's KeyedTensor: per-key pooled embeddings side by side in one ``[B, sum D]`` tensor."""
+
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: torch.Tensor) -> None:
+        self._keys, self._lengths, self._values = list(keys), list(length_per_key), values
+        starts = [0]
+        for length in self._lengths:
+            starts.append(starts[-1] + length)
+        self._offsets = starts
+
+    def keys(self) -> list[str]:
+        """The feature names, in column order."""
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        """``[B, sum D]``."""
+        return self._values
+
+    def length_per_key(self) -> list[int]:
+        """D of each key."""
+        return self._lengths
+
+    def offset_per_key(self) -> list[int]:
+        """First column of each key, plus the total."""
+        return self._offsets
+
+    def key_dim(self) -> int:
+        """The dimension the keys run along (1)."""
+        return 1
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        index = self._keys.index(key)
+        return self._values[:, self._offsets[index] : self._offsets[index + 1]]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """Key -> ``[B, D]``."""
+        return {key: self[key] for key in self._keys}
+
+    def __repr__(self) -> str:
+        return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
+
+
+def jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked."""
+    keys, values = list(features.keys()), features.values()
+    if hasattr(features, "lengths"):
+        lengths = features.lengths()
+    else:
+        lengths = torch.diff(features.offsets())
+    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+    lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
+    if not keys:
+        raise ValueError("KVEmbeddingBagCollection: the features have no keys")
+    if lengths.dim() != 1 or len(lengths) % len(keys):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
+            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
+        )
+    if bool((lengths < 0).any()) or int(lengths.sum()) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths must be >= 0 and sum to len(values)={len(values)}; "
+            f"they sum to {int(lengths.sum())}"
+        )
+    if weights is not None and len(weights) != len(values):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: weights_or_none() has {len(weights)} entries; values has {len(values)}"
+        )
+    return keys, values, lengths, weights
+
+
+def table_inputs(features, table_features: Mapping[str, list[str]]):
+    """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
+    one after the other, in the table's feature order, from a KeyedJaggedTensor-like."""
+    keys, values, lengths, weights = jagged_parts(features)
+    wanted = [f for names in table_features.values() for f in names]
+    unknown = [k for k in keys if k not in wanted]
+    missing = [k for k in wanted if k not in keys]
+    if unknown or missing:
+        raise KeyError(
+            f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
+        )
+    batch = len(lengths) // len(keys)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    position = {key: k for k, key in enumerate(keys)}
+    inputs = {}
+    for table, names in table_features.items():
+        parts, part_weights, part_lengths = [], [], []
+        for name in names:
+            k = position[name]
+            first = int(starts[k * batch]) if batch else 0
+            last = int(ends[(k + 1) * batch - 1]) if batch else 0
+            parts.append(values[first:last])
+            part_lengths.append(lengths[k * batch : (k + 1) * batch])
+            if weights is not None:
+                part_weights.append(weights[first:last])
+        table_lengths = torch.cat(part_lengths)
+        offsets = torch.cumsum(table_lengths, 0) - table_lengths
+        inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
+    return batch, inputs
+
+
+def per_feature(pooled: torch.Tensor, features: int, batch: int) -> list[torch.Tensor]:
+    """A table's pooled ``[features * batch, D]`` output as one ``[batch, D]`` block per feature
+    (also for an empty batch, where ``split`` would give one block)."""
+    return [pooled[k * batch : (k + 1) * batch] for k in range(features)]
+
+
+def _data_type(value: object) -> torch.dtype:
+    """A torch dtype, or TorchRec's ``DataType.FP32/FP16/BF16`` (or its name), as a dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.upper() in _DATA_TYPES:
+        return _DATA_TYPES[name.upper()]
+    raise TypeError(f"KVTableConfig: data_type must be a torch dtype or FP32/FP16/BF16; got {value!r}")
+
+
+def _pooling(value: object) -> str:
+    """``"sum"``/``"mean"``, or TorchRec's ``PoolingType.SUM/MEAN``, as a mode name."""
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.lower() in ("sum", "mean"):
+        return name.lower()
+    raise ValueError(f"KVTableConfig: pooling must be 'sum' or 'mean'; got {value!r}")
+
+
+@dataclass
+class KVTableConfig:
+    """One table of a :class:`KVEmbeddingBagCollection`, with TorchRec EmbeddingBagConfig's names.
+
+    ``feature_names`` (default ``[name]``) may list several features: they share the
+    table's rows, and each is pooled on its own. ``data_type`` and ``pooling`` take torch
+    dtypes and strings, or TorchRec's ``DataType``/``PoolingType`` members.
+
+    Example::
+
+        >>> KVTableConfig("items", 64, feature_names=["clicked", "bought"], optimizer="rowwise_adagrad")
+    """
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int | None = None
+    feature_names: list[str] = field(default_factory=list)
+    pooling: str = "sum"
+    data_type: torch.dtype = torch.float32
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    optimizer_offloading: bool = True
+    return_whole_row: bool = True
+    num_shards: int = 8
+    weight_init_min: float = -0.01
+    weight_init_max: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"KVTableConfig: name must be a non-empty string; got {self.name!r}")
+        self.feature_names = list(self.feature_names) or [self.name]
+        self.pooling = _pooling(self.pooling)
+        self.data_type = _data_type(self.data_type)
