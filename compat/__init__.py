@@ -42,10 +42,10 @@ from leanstate.reference.wrappers import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from leanstate.reference.zero import ZeroRedundancyOptimizer
 from leanstate.sharded_checkpoint import last_load_stats
 from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 from leanstate.wrappers import offload_wrapper
+from leanstate.zero import ZeroRedundancyOptimizer
 
 try:
     __version__ = version("leanstate")

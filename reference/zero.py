@@ -1,141 +1,50 @@
-"""ZeRO stage 1: optimizer state sharded across data-parallel ranks, torch-compatible.
+"""ZeRO stage 1, stated in the most obvious terms: each rank keeps the optimizer state of
+its share of the parameters only.
 
-Same constructor, methods and state-dict format as
-``torch.distributed.optim.ZeroRedundancyOptimizer``: every rank holds all parameters and
-their gradients, but each parameter's optimizer state lives on one rank, which steps it
-and then broadcasts it. The partition is torch's: within each parameter group, largest
-first, each parameter to the rank with the fewest elements so far.
+Every rank holds all parameters and their gradients. The parameters are partitioned
+once, as ``torch.distributed.optim.ZeroRedundancyOptimizer`` does: within each
+parameter group, largest first, each parameter goes to the rank with the fewest
+elements so far. A step is three moves:
 
-Differences from torch (each a fix, see ``spec/zero.md``): ``load_state_dict`` never
-mutates the caller's dict and leaves no ``None`` in ``.state``; consolidation gathers
-to the target rank only and moves bytes with ``torch.frombuffer``; ``clip_grad_norm_``
-across shards with one all-reduce; parameter groups may be given as dicts.
+1. every rank steps a local ``optimizer_class`` over its own share;
+2. every parameter is broadcast from the rank that owns it, one at a time;
+3. (when asked) ``consolidate_state_dict(to)`` gathers each rank's local state on one
+   rank, and ``state_dict()`` there renumbers it into the ``torch.optim`` format, which
+   loads into a plain optimizer or into a ZeRO optimizer on any world size.
 
-``overlap_broadcast=True`` (bucket views required): with the waits of
-:meth:`overlap_with` installed, ``step()`` starts one asynchronous broadcast per rank
-bucket and returns; each module's forward pre-hook waits only for the buckets holding
-its parameters, so the first layers compute while later buckets are in flight. Until
-those hooks are installed (or once they are all removed) ``step()`` waits for its own
-broadcasts, so parameters are never read half-broadcast. Anything else that reads
-parameters or state (the next ``step``, ``consolidate_state_dict``, ``state_dict``,
-``load_state_dict``, ``add_param_group``, ``clip_grad_norm_``) waits for all of them first.
+This module is the reference: no bucket views, asynchronous broadcasts, overlap hooks,
+point-to-point transfers or ``Join`` support. ``leanstate.ZeroRedundancyOptimizer`` is
+the production implementation, held to this one by differential tests (bit-identical
+parameters and state dicts). See ``spec/zero.md``.
 
 Example (on every rank)::
 
     >>> optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     >>> loss.backward(); optimizer.step()
-    >>> optimizer.consolidate_state_dict(to=0)
-    >>> if rank == 0: torch.save(optimizer.state_dict(), "optim.pt")  # loads into torch.optim.Adam
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
-import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 
-def _trainable(param: torch.Tensor) -> bool:
-    return param.requires_grad
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def _from_bytes(data: torch.Tensor) -> Any:
-    # One memcpy out of the tensor's memory (not .numpy(): ZeRO needs torch alone, and
-    # not bytes(storage), which walks the storage one element at a time).
-    data = data.cpu().contiguous()
-    return torch.load(io.BytesIO(ctypes.string_at(data.data_ptr(), data.numel())), weights_only=True)
-
-
-def _split_tensors(obj: Any, *, copy: bool = False) -> tuple[Any, list[torch.Tensor]]:
-    """(``obj`` with each tensor replaced by a meta tensor of its shape and dtype, the
-    tensors on the CPU, contiguous, in the order a depth-first walk meets them);
-    ``copy``: (``obj`` with each tensor replaced by a CPU copy, those copies)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().to("cpu", copy=copy, memory_format=torch.contiguous_format)
-            tensors.append(tensor)
-            return tensor if copy else torch.empty(value.shape, dtype=value.dtype, device="meta")
-        if isinstance(value, dict):
-            return {key: strip(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(strip(item) for item in value)
-        return value
-
-    return strip(obj), tensors
-
-
-def _join_tensors(skeleton: Any, body: torch.Tensor) -> Any:
-    """``_split_tensors`` undone: each meta tensor becomes a view of its bytes in ``body``."""
-    offset = 0
-
-    def fill(value: Any) -> Any:
-        nonlocal offset
-        if isinstance(value, torch.Tensor):
-            offset = _aligned(offset)
-            data = body[offset : offset + _nbytes(value)]
-            offset += _nbytes(value)
-            return data.view(value.dtype).view(value.shape)
-        if isinstance(value, dict):
-            return {key: fill(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(fill(item) for item in value)
-        return value
-
-    return fill(skeleton)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // 16) * 16
-
-
-def _body_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of one buffer of ``tensors`` in order, each 16-byte aligned (``_join_tensors``'s layout)."""
-    end = 0
-    for tensor in tensors:
-        end = _aligned(end) + _nbytes(tensor)
-    return end
-
-
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
-    """Wrap ``optimizer_class`` so that each rank keeps the state of its shard only.
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wrap ``optimizer_class`` so that each rank keeps the state of its share only.
 
     Args:
         params: parameters, or parameter-group dicts, identical on every rank.
         optimizer_class: a ``torch.optim.Optimizer`` subclass; the local one is ``.optim``.
         process_group: the data-parallel group (default: the world).
-        parameters_as_bucket_view: each rank's trainable parameters on a device are
-            views of one flat buffer, broadcast in one collective per rank per step.
-        overlap_broadcast: overlap the broadcasts with the next forward, once
-            :meth:`overlap_with` installed the waits (needs ``parameters_as_bucket_view``).
+        parameters_as_bucket_view: accepted for the signature; the reference broadcasts
+            each parameter on its own (the same values).
         **defaults: the optimizer's arguments (``lr``, ``betas``...).
     """
-
-    backend = "reference"
 
     def __init__(
         self,
@@ -143,394 +52,87 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         optimizer_class: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
-        *,
-        overlap_broadcast: bool = False,
         **defaults: Any,
     ) -> None:
-        if overlap_broadcast and not parameters_as_bucket_view:
-            raise ValueError(
-                "overlap_broadcast=True needs parameters_as_bucket_view=True (one broadcast per bucket)"
-            )
-        self.overlap_broadcast = overlap_broadcast
-        self._pending: dict[int, list[dist.Work]] = {}  # rank -> its shard's broadcasts
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._initialized = False
         super().__init__(params, defaults)
-        if not self.param_groups or not any(g["params"] for g in self.param_groups):
-            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-        self._check_one_dense_type()
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._optimizer_class = optimizer_class
-        self._defaults = defaults
-        self._partition: list[list[dict]] = self._partition_groups()
-        self.optim: Optimizer = optimizer_class(self._partition[self.rank], **defaults)
-        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._trainable_mask = self._agree_on_mask()()
-        self._buckets: dict[torch.device, list[torch.Tensor]] = {}
-        self._build_buckets()
-        self._gathered: list[dict] | None = None
-        self._initialized = True
-        Joinable.__init__(self)
+        self.shares = self._partition()
+        self.optim = optimizer_class(self.shares[self.rank], **defaults)
+        self.gathered: list[dict] | None = None
 
-    def _check_one_dense_type(self) -> None:
-        """As torch's: every parameter dense and of one tensor type (dtype and device kind)."""
-        params = self._all_params
-        for param in params:
-            if param.layout != torch.strided:
-                raise ValueError(
-                    f"ZeroRedundancyOptimizer only supports dense parameters; got a {param.layout} one "
-                    f"of shape {tuple(param.shape)}"
-                )
-        kinds = {(p.dtype, p.device.type) for p in params}
-        if len(kinds) > 1:
-            names = ", ".join(f"{dtype} on {device}" for dtype, device in sorted(kinds, key=str))
-            raise ValueError(
-                f"ZeroRedundancyOptimizer only supports parameters of one dense type; got {names}"
-            )
-
-    # -- partition ------------------------------------------------------------------
-
-    @property
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    def _mask(self) -> list[bool]:
-        return [_trainable(p) for p in self._all_params]
-
-    def _agree_on_mask(self) -> Callable[[], list[bool]]:
-        """Start agreeing on which parameters go in buckets: those trainable on every rank.
-
-        The bucket layout must be the same on every rank, so with bucket views the local
-        masks are combined with one all-reduce (a parameter frozen on one rank only is
-        left out of the buckets and broadcast on its own, as a frozen one is). The
-        all-reduce runs in the background; the returned function waits for it and gives
-        the agreed mask.
-        """
-        mask = self._mask()
-        if not self.parameters_as_bucket_view:
-            return lambda: mask
-        agreed = torch.tensor(mask, dtype=torch.int32, device=self.join_device)
-        work = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
-
-        def result() -> list[bool]:
-            work.wait()
-            return [bool(x) for x in agreed.tolist()]
-
-        return result
-
-    def _partition_groups(self) -> list[list[dict]]:
-        """Per rank, its param groups: each group's params, largest first, greedily."""
-        sizes = [0] * self.world_size
-        per_rank: list[list[dict]] = [[] for _ in range(self.world_size)]
+    def _partition(self) -> list[list[dict]]:
+        """Per rank, one group per parameter group: its share of that group's parameters."""
+        elements = [0] * self.world_size
+        shares: list[list[dict]] = [[] for _ in range(self.world_size)]
         for group in self.param_groups:
             assigned: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-            for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-                rank = sizes.index(min(sizes))
+            for param in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+                rank = elements.index(min(elements))
                 assigned[rank].append(param)
-                sizes[rank] += param.numel()
+                elements[rank] += param.numel()
             for rank in range(self.world_size):
-                per_rank[rank].append({**group, "params": assigned[rank]})
-        return per_rank
+                shares[rank].append({**group, "params": assigned[rank]})
+        return shares
 
-    def _owner(self) -> dict[torch.Tensor, int]:
-        return {p: rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
+    def _group_rank_to_global(self, rank: int) -> int:
+        return dist.get_global_rank(self.process_group, rank)
 
-    def _global_rank(self, rank: int) -> int:
-        return (
-            dist.get_global_rank(self.process_group, rank)
-            if self.process_group is not dist.group.WORLD
-            else rank
-        )
-
-    @staticmethod
-    def _sync_hyperparameters(source: list[dict], target: list[dict]) -> None:
-        for src, dst in zip(source, target, strict=True):
-            for key, value in src.items():
-                if key != "params":
-                    dst[key] = value
-
-    # -- buckets ----------------------------------------------------------------------
-
-    def _build_buckets(self) -> None:
-        """One flat buffer per device per rank holding that rank's trainable parameters."""
-        if not self.parameters_as_bucket_view:
-            return
-        self._buckets = {}
-        in_bucket = dict(zip(self._all_params, self._trainable_mask, strict=True))
-        devices = {p.device for p in self._all_params}
-        for device in sorted(devices, key=str):
-            buckets = []
-            for groups in self._partition:
-                params = [p for g in groups for p in g["params"] if p.device == device]
-                trainable = [p for p in params if in_bucket[p]]
-                for frozen in (p for p in params if not in_bucket[p]):
-                    frozen.data = frozen.data.detach().clone()  # out of any old bucket
-                dtypes = {p.dtype for p in trainable}
-                if len(dtypes) > 1:
-                    raise ValueError(
-                        f"parameters_as_bucket_view needs one dtype per device; {device} has {dtypes}"
-                    )
-                dtype = dtypes.pop() if dtypes else torch.float32
-                bucket = torch.empty(max(1, sum(p.numel() for p in trainable)), dtype=dtype, device=device)
-                offset = 0
-                for param in trainable:
-                    view = bucket[offset : offset + param.numel()].view_as(param)
-                    view.copy_(param.data)
-                    param.data = view
-                    offset += param.numel()
-                buckets.append(bucket)
-            self._buckets[device] = buckets
-
-    # -- step -------------------------------------------------------------------------
-
-    def _shard_tensors(self, rank: int) -> list[torch.Tensor]:
-        """What rank ``rank`` broadcasts: its buckets and, beside them, its parameters outside
-        any bucket (frozen ones too, so that frozen parameters stay equal across ranks)."""
-        if not self.parameters_as_bucket_view:
-            return [p.data for g in self._partition[rank] for p in g["params"]]
-        in_bucket = dict(zip(self._all_params, self._trainable_mask, strict=True))
-        outside = [p.data for g in self._partition[rank] for p in g["params"] if not in_bucket[p]]
-        return [buckets[rank] for buckets in self._buckets.values()] + outside
-
-    def _start_broadcasts(self) -> dict[int, list[dist.Work]]:
-        """Each rank's updated shard to every rank, asynchronously: rank -> its works."""
-        return {
-            rank: [
-                dist.broadcast(t, src=self._global_rank(rank), group=self.process_group, async_op=True)
-                for t in self._shard_tensors(rank)
-            ]
-            for rank in range(self.world_size)
-        }
-
-    def _broadcast(self) -> None:
-        self._pending = self._start_broadcasts()
-        # Without a pre-forward wait nothing would make the next forward wait for its
-        # parameters: then the step waits itself (correct by default, just not overlapped).
-        if not (self.overlap_broadcast and self._hooks_installed()):
-            self._wait()
-
-    def _wait(self, ranks: Iterable[int] | None = None) -> None:
-        """Wait for the broadcasts in flight (of the shards of ``ranks``, default all)."""
-        for rank in list(self._pending) if ranks is None else ranks:
-            for work in self._pending.pop(rank, ()):
-                work.wait()
-
-    def _hooks_installed(self) -> bool:
-        """Whether some pre-forward wait installed by :meth:`overlap_with` is still registered."""
-        return any(
-            (hooks := handle.hooks_dict_ref()) is not None and handle.id in hooks for handle in self._handles
-        )
-
-    def overlap_with(self, model: nn.Module) -> list[OverlapHandle]:
-        """Make each module of ``model`` wait, before its forward, for its parameters' buckets.
-
-        Returns one handle per hook; ``handle.remove()`` first waits for the broadcasts in
-        flight (no later forward would wait for them).
-        """
-        owner = self._owner()
-        handles = []
-        for module in model.modules():
-            ranks = sorted({owner[p] for p in module.parameters(recurse=False) if p in owner})
-            if ranks:
-                hook = module.register_forward_pre_hook(lambda _m, _a, r=tuple(ranks): self._wait(r))
-                handles.append(OverlapHandle(self._wait, hook))
-        self._handles += [handle.hook for handle in handles]
-        return handles
-
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Step this rank's shard, then broadcast every shard. Call on every rank."""
-        self._wait()
-        Join.notify_join_context(self)
-        agreed = self._agree_on_mask()  # overlaps the local step
-        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
-        loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
-        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
-        mask = agreed()
-        if mask != self._trainable_mask:  # rebuilt after the step: the buckets take the new values
-            self._trainable_mask = mask
-            self._build_buckets()
-        self._broadcast()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step this rank's share, then broadcast every parameter from its owner. Call on every rank."""
+        for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
+            local.update({k: v for k, v in group.items() if k != "params"})  # e.g. a scheduler's lr
+        loss = self.optim.step(closure)
+        for rank, share in enumerate(self.shares):
+            for group in share:
+                for param in group["params"]:
+                    dist.broadcast(param.data, src=self._group_rank_to_global(rank), group=self.process_group)
         return loss
 
-    # -- uneven inputs: torch.distributed.algorithms.join ---------------------------
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For ``Join``: a rank out of inputs keeps stepping its shard and broadcasting it."""
-        return _ZeroJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        """The device of the collectives ``Join`` runs for this optimizer."""
-        return self._all_params[0].device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """The process group of the collectives ``Join`` runs for this optimizer."""
-        return self.process_group
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a group on every rank; earlier groups keep their ranks, so nothing moves."""
-        if self._initialized:
-            self._wait()
-        super().add_param_group(param_group)
-        if not self._initialized:
-            return
-        self._partition = self._partition_groups()
-        self.optim.add_param_group(self._partition[self.rank][-1])
-        self._trainable_mask = self._agree_on_mask()()
-        self._build_buckets()
-
-    # -- clipping ---------------------------------------------------------------------
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model, with one all-reduce.
-
-        Each rank computes the norms of its shard's gradients; one all-reduce of the
-        per-parameter norms (zeros elsewhere, so the sum is exact) gives every rank the
-        same vector, reduced exactly as torch does. Every rank scales every gradient.
-        """
-        self._wait()
-        params = [p for p in self._all_params if p.grad is not None]
-        if not params:
-            return torch.tensor(0.0)
-        owner = self._owner()
-        mine = [i for i, p in enumerate(params) if owner[p] == self.rank]
-        norm_type = float(norm_type)
-        norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].grad.device)
-        if mine:
-            local = torch._foreach_norm([params[i].grad for i in mine], norm_type)
-            norms[mine] = torch.stack(local).to(norms.dtype)
-        dist.all_reduce(norms, group=self.process_group)
-        total = torch.linalg.vector_norm(norms, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coefficient)
-        return total
-
-    # -- state dicts ------------------------------------------------------------------
-
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's local state to rank ``to`` (of the group). Call on every rank."""
-        self._wait()
-        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
-        # No pickling of tensors: each rank sends a small pickled skeleton (its state with
-        # each tensor replaced by a meta tensor of its shape and dtype), then every tensor's
-        # bytes straight from where they lie; rank ``to`` receives them into one flat buffer
-        # per rank and rebuilds the tensors as views of it. Point to point, not
-        # dist.gather: gloo's gather of 32 MiB per rank measured 69-285 ms on one host.
-        sizes = torch.zeros(2, dtype=torch.int64)  # rank ``to`` sends nothing
-        if self.rank != to:
-            skeleton, tensors = _split_tensors(self.optim.state_dict())
-            head = _to_bytes(skeleton)
-            sizes = torch.tensor([head.numel(), _body_bytes(tensors)], dtype=torch.int64)
-        everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(everyone, sizes, group=self.process_group)
-        if self.rank != to:
-            target = self._global_rank(to)
-            for data in [head, *(_as_bytes(t) for t in tensors)]:
-                if data.numel():
-                    dist.send(data, dst=target, group=self.process_group)
-            self._gathered = None
-            return
-        gathered = []
-        for rank, (head_bytes, body_bytes) in enumerate(everyone):
-            if rank == to:  # a copy, as the other ranks' state is: later steps leave it as it was
-                gathered.append(_split_tensors(self.optim.state_dict(), copy=True)[0])
-                continue
-            source = self._global_rank(rank)
-            head = torch.empty(int(head_bytes), dtype=torch.uint8)
-            dist.recv(head, src=source, group=self.process_group)
-            state = _from_bytes(head)
-            body = torch.empty(int(body_bytes), dtype=torch.uint8)
-            state = _join_tensors(state, body)
-            for tensor in _split_tensors(state)[1]:
-                if tensor.numel():
-                    dist.recv(_as_bytes(tensor), src=source, group=self.process_group)
-            gathered.append(state)
-        self._gathered = gathered
+        """Gather every rank's local state dict on rank ``to`` (of the group). Call on every rank."""
+        local = self.optim.state_dict()
+        gathered = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(local, gathered, dst=self._group_rank_to_global(to), group=self.process_group)
+        self.gathered = copy.deepcopy(gathered) if self.rank == to else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer's state in ``torch.optim`` format (after consolidation here)."""
-        if self._gathered is None:
-            raise RuntimeError(
-                f"the optimizer state is not consolidated on rank {self.rank}; call "
-                f"consolidate_state_dict(to={self.rank}) on every rank first"
-            )
-        index = {p: i for i, p in enumerate(self._all_params)}
-        state: dict[int, Any] = {}
-        for rank, local in enumerate(self._gathered):
-            for local_group, global_group in zip(local["param_groups"], self._partition[rank], strict=True):
-                for local_index, param in zip(local_group["params"], global_group["params"], strict=True):
-                    if local_index in local["state"]:
-                        state[index[param]] = local["state"][local_index]
+        """The whole optimizer's state in ``torch.optim`` format (on the consolidating rank)."""
+        if self.gathered is None:
+            raise RuntimeError(f"call consolidate_state_dict(to={self.rank}) on every rank first")
+        number = {param: i for i, param in enumerate(p for g in self.param_groups for p in g["params"])}
+        state = {}
+        for share, local in zip(self.shares, self.gathered, strict=True):
+            for group, local_group in zip(share, local["param_groups"], strict=True):
+                for param, local_number in zip(group["params"], local_group["params"], strict=True):
+                    if local_number in local["state"]:
+                        state[number[param]] = local["state"][local_number]
         groups = []
         for group, local_group in zip(
-            self.param_groups, self._gathered[self.rank]["param_groups"], strict=True
+            self.param_groups, self.gathered[self.rank]["param_groups"], strict=True
         ):
             entry = {k: v for k, v in local_group.items() if k != "params"}
             entry.update({k: v for k, v in group.items() if k != "params"})
-            entry["params"] = [index[p] for p in group["params"]]
+            entry["params"] = [number[p] for p in group["params"]]
             groups.append(entry)
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``torch.optim``-format state dict (from any world size or a plain optimizer).
-
-        Only this rank's parameters take state; the caller's dict is not modified.
-        """
-        self._wait()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, self.param_groups)
-        ):
-            sizes = [len(g["params"]) for g in self.param_groups]
-            raise ValueError(
-                f"state_dict has param groups of sizes {[len(g['params']) for g in groups]}; "
-                f"this optimizer has {sizes}"
-            )
-        saved_index = {}
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            saved_index.update(zip(group["params"], saved["params"], strict=True))
-        # The local optimizer's own state dict: its params numbered in order, its state
-        # copied (torch.optim's load would alias the caller's tensors).
+        """Load a ``torch.optim``-format state dict: this rank's parameters take their state."""
+        saved_number = {}
+        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            saved_number.update(zip(group["params"], saved["params"], strict=True))
         local_state, local_groups, number = {}, [], 0
-        for saved, local_group in zip(groups, self.optim.param_groups, strict=True):
+        for saved, local_group in zip(state_dict["param_groups"], self.optim.param_groups, strict=True):
             numbers = []
             for param in local_group["params"]:
-                if saved_index[param] in state_dict["state"]:
-                    local_state[number] = state_dict["state"][saved_index[param]]
+                if saved_number[param] in state_dict["state"]:
+                    local_state[number] = state_dict["state"][saved_number[param]]
                 numbers.append(number)
                 number += 1
             local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": numbers})
         self.optim.load_state_dict(copy.deepcopy({"state": local_state, "param_groups": local_groups}))
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = copy.deepcopy(value)
-        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
-
-
-class _ZeroJoinHook(JoinHook):
-    """What a joined rank does each time the others step: the same step, so the
-    broadcasts of every shard still meet on every rank (as torch's ZeRO does)."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        self.zero.step()
-
-
-class OverlapHandle:
-    """A pre-forward wait's handle (from ``overlap_with``) whose ``remove()`` first waits
-    for the broadcasts in flight."""
-
-    def __init__(self, wait: Callable[[], None], hook: torch.utils.hooks.RemovableHandle) -> None:
-        self.wait, self.hook = wait, hook
-
-    def remove(self) -> None:
-        """Wait for the broadcasts in flight, then remove the hook."""
-        self.wait()
-        self.hook.remove()
+        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanstate.reference.zero import ZeroRedundancyOptimizer
+from leanstate.zero import ZeroRedundancyOptimizer
 from tests.harness import run_world
-from tests.reference.zero_models import OPTIMIZERS, backward, batch, make_model, train_pair
+from tests.zero_models import OPTIMIZERS, backward, batch, make_model, train_pair
 
 
 def overlap_parity(rank, world, folder):
