@@ -3,8 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# make bench BENCH=regex: only the asv benchmarks matching it; make bench-compare OLD=rev
+BENCH ?= .
+OLD ?= HEAD~1
+HISTORY := asv_bench/bench-history
 
-.PHONY: demo test test-slow bench lint install gpu-check
+.PHONY: demo test test-slow bench bench-compare bench-html lint install gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,22 +23,43 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m leanstate demo
 
+# CUDA-simulator tests run in their own process (the variable must be set before numba is
+# imported), beside the main run; collecting none (exit 5) fails. Then the regression gate:
+# a handful of same-process ratios against peers, with a margin of 2.5x.
 test: $(STAMP)
-	# CUDA-simulator tests run in their own process: the variable must be set before numba
-	# is imported. Collecting none (exit 5) fails.
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim
-	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim > .cudasim-tests.log 2>&1 & sim=$$!; \
+	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"; main=$$?; \
+	wait $$sim; status=$$?; echo "--- CUDA simulator tests"; cat .cudasim-tests.log; \
+	test $$main -eq 0 && test $$status -eq 0
+	$(BIN)/python -m leanstate bench --gate
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow"
 
-# The quick table, then an asv run of the store and checkpoint suites in this venv, kept
-# under asv_bench/results for asv compare / asv publish.
+# The quick table (kept as JSON under $(HISTORY)), then asv's quick set in this venv, kept
+# under asv_bench/results; make bench-html draws both.
 bench: $(STAMP)
-	$(BIN)/python -m leanstate bench --quick
+	mkdir -p $(HISTORY)
+	$(BIN)/python -m leanstate bench --quick --json $(HISTORY)/$$(date +%Y%m%d-%H%M%S)-$$(git rev-parse --short HEAD).json
 	cd asv_bench && ../$(BIN)/asv machine --yes
-	cd asv_bench && ../$(BIN)/asv run -E existing:$(abspath $(BIN)/python) \
-		--set-commit-hash $$(git rev-parse HEAD) -a repeat=1 -a rounds=1 --bench "kv_store|checkpoint"
+	cd asv_bench && LEANSTATE_ASV=quick ../$(BIN)/asv run -E existing:$(abspath $(BIN)/python) \
+		--set-commit-hash $$(git rev-parse HEAD) --bench "$(BENCH)"
+
+# What got slower or faster between $(OLD) and the working tree: the quick bench of each in
+# this one venv (the old sources from git, on PYTHONPATH), compared beyond the rounds' spread.
+bench-compare: $(STAMP)
+	rm -rf .bench-old && mkdir -p .bench-old/src
+	git archive $(OLD) compat reference accelerated | tar -x -C .bench-old/src
+	mv .bench-old/src/compat .bench-old/leanstate
+	mv .bench-old/src/reference .bench-old/src/accelerated .bench-old/leanstate/
+	cd .bench-old && PYTHONPATH=$(abspath .bench-old) ../$(BIN)/python -m leanstate bench --quick --json old.json
+	$(BIN)/python -m leanstate bench --quick --json .bench-old/new.json
+	$(BIN)/python -m leanstate bench --compare .bench-old/old.json .bench-old/new.json
+
+# A history page that opens offline (file://, no scripts): asv_bench/html-offline/index.html
+bench-html: $(STAMP)
+	$(BIN)/python -m leanstate bench --html asv_bench/html-offline --asv-results asv_bench/results \
+		--history $(wildcard $(HISTORY)/*.json)
 
 # On a CUDA machine: the gpu-marked tests and the GPU bench, into $$OUT (or ./gpu-check).
 gpu-check: $(STAMP)

@@ -221,7 +221,7 @@ class KVTableConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     optimizer_offloading: bool = True
-    return_whole_row: bool = True
+    return_whole_row: bool | None = None  # default: follows optimizer_offloading
     num_shards: int = 8
     weight_init_min: float = -0.01
     weight_init_max: float = 0.01
@@ -231,5 +231,7 @@ class KVTableConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KVTableConfig: name must be a non-empty string; got {self.name!r}")
         self.feature_names = list(self.feature_names) or [self.name]
+        if self.return_whole_row is None:  # whole rows exist only when the state lives in them
+            self.return_whole_row = self.optimizer_offloading
         self.pooling = _pooling(self.pooling)
         self.data_type = _data_type(self.data_type)

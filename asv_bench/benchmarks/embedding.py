@@ -11,18 +11,24 @@ import statistics
 from leanstate import _backends
 from leanstate._tools.workloads import EmbeddingStep, best_times, threads_under_load
 
-ROWS = 1_000_000
+from ._profile import PROFILE, SIZES, backends, rounded
+
 PEERS = {"sgd": "sgd", "rowwise_adagrad": "adagrad"}
+BATCH = 64 if PROFILE == "tiny" else 4096
 
 
 class EmbeddingTrainingStep:
-    params = (sorted(_backends.available("embedding")), ["sgd", "rowwise_adagrad"])
+    params = (backends("embedding"), ["sgd", "rowwise_adagrad"])
     param_names = ["backend", "optimizer"]
     timeout = 900
+    number = 1
+    repeat = 5
+    rounds = 2
 
     def setup(self, backend, optimizer):
-        self.ours = EmbeddingStep("kv", optimizer, ROWS, backend=backend)
-        self.peer = EmbeddingStep("dense", PEERS[optimizer], ROWS)
+        rows, dim = SIZES["embedding_rows"], SIZES["dim"]
+        self.ours = EmbeddingStep("kv", optimizer, rows, dim, batch=BATCH, backend=backend)
+        self.peer = EmbeddingStep("dense", PEERS[optimizer], rows, dim, batch=BATCH)
         self.ours.step()
         self.peer.step()
 
@@ -35,7 +41,7 @@ class EmbeddingTrainingStep:
     def track_step_cost_vs_embedding_bag(self, backend, optimizer):
         """Step time / nn.EmbeddingBag(sparse) + torch optimizer step time, in the same run."""
         times = best_times({"ours": self.ours.step, "peer": self.peer.step}, 3)
-        return times["ours"] / times["peer"]
+        return rounded(times["ours"] / times["peer"])
 
     track_step_cost_vs_embedding_bag.unit = "ratio"
 
@@ -46,13 +52,16 @@ class ThreadsUnderLoad:
     timeout = 900
 
     def setup_cache(self):
-        return threads_under_load(3) if "numba" in _backends.available("embedding") else None
+        rounds = 1 if PROFILE == "tiny" else 3
+        return threads_under_load(rounds) if "numba" in _backends.available("embedding") else None
 
     def track_cost_vs_one_thread(self, result, figure):
         """Median time with numba's default threads / with NUMBA_NUM_THREADS=1, a CPU-bound
         process running beside both (target <= 1.25)."""
         if result is None:
             raise NotImplementedError("numba is not installed")
-        return statistics.median(result[f"{figure} default"]) / statistics.median(result[f"{figure} one"])
+        return rounded(
+            statistics.median(result[f"{figure} default"]) / statistics.median(result[f"{figure} one"])
+        )
 
     track_cost_vs_one_thread.unit = "ratio"

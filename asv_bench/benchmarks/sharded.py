@@ -10,6 +10,8 @@ gradient row)), target <= 1.1.
 
 from leanstate._tools.workloads import sharded_comparison
 
+from ._profile import SIZES, rounded
+
 
 class ShardedEmbedding:
     timeout = 900
@@ -17,22 +19,24 @@ class ShardedEmbedding:
     param_names = ["world"]
 
     def setup_cache(self):
-        return {world: sharded_comparison(world) for world in self.params}
+        return {
+            world: sharded_comparison(world, steps=SIZES["steps"], ids=SIZES["ids"]) for world in self.params
+        }
 
     def track_seconds_per_million_lookups(self, results, world):
         """Step time per million lookups+updates over all ranks."""
-        return results[world]["step"] / (world * 16_384) * 1e6
+        return rounded(results[world]["step"] / (world * SIZES["ids"]) * 1e6)
 
     track_seconds_per_million_lookups.unit = "seconds"
 
     def track_bytes_over_minimum(self, results, world):
         """Bytes every rank sent, over the minimum (target <= 1.1)."""
-        return results[world]["bytes"] / results[world]["min_bytes"]
+        return rounded(results[world]["bytes"] / results[world]["min_bytes"])
 
     track_bytes_over_minimum.unit = "ratio"
 
     def track_cpu_per_lookup_vs_one_rank(self, results, world):
         """CPU seconds per lookup+update over all ranks / one rank's (target at 2 ranks <= 1.5)."""
-        return results[world]["cpu_per_id"] / results[1]["cpu_per_id"]
+        return rounded(results[world]["cpu_per_id"] / results[1]["cpu_per_id"])
 
     track_cpu_per_lookup_vs_one_rank.unit = "ratio"

@@ -7,6 +7,11 @@ no-wrapper bytes (torch's offload_wrapper copies parameters and host tensors too
 
 from leanstate._tools.workloads import WrapperStep, best_time
 
+from ._profile import PROFILE, rounded
+
+# 6 layers, d=512, T=256, batch 8; tiny: 2 layers, d=32, T=16, batch 2
+SHAPE = dict(layers=2, d=32, seq=16, batch=2) if PROFILE == "tiny" else {}
+
 
 class WrapperStepTime:
     params = (list(WrapperStep.VARIANTS),)
@@ -16,7 +21,7 @@ class WrapperStepTime:
     repeat = 3
 
     def setup(self, variant):
-        self.work = WrapperStep(variant)
+        self.work = WrapperStep(variant, **SHAPE)
 
     def time_step(self, variant):
         self.work.step()
@@ -32,7 +37,7 @@ class WrapperRatios:
     timeout = 1800
 
     def setup_cache(self):
-        steps = {v: WrapperStep(v) for v in ("none", "checkpoint", "torch_checkpoint", "offload")}
+        steps = {v: WrapperStep(v, **SHAPE) for v in ("none", "checkpoint", "torch_checkpoint", "offload")}
         return {
             "checkpoint_time": best_time(steps["checkpoint"].step, 2)
             / best_time(steps["torch_checkpoint"].step, 2),
@@ -41,12 +46,12 @@ class WrapperRatios:
 
     def track_checkpoint_step_cost_vs_torch(self, ratios):
         """leanstate checkpoint step time / torch's, same run (target <= 1.05)."""
-        return ratios["checkpoint_time"]
+        return rounded(ratios["checkpoint_time"])
 
     track_checkpoint_step_cost_vs_torch.unit = "ratio"
 
     def track_offload_saved_bytes_vs_no_wrapper(self, ratios):
         """leanstate offload saved bytes / no-wrapper saved bytes on the CPU (target 1)."""
-        return ratios["offload_saved"]
+        return rounded(ratios["offload_saved"])
 
     track_offload_saved_bytes_vs_no_wrapper.unit = "ratio"

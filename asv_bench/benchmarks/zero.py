@@ -8,16 +8,18 @@ parameter's state.
 
 from leanstate._tools.workloads import zero_comparison
 
+from ._profile import SIZES, rounded
+
 
 class ZeroVersusTorch:
     timeout = 900
 
     def setup_cache(self):
-        return zero_comparison(world=2, steps=10)
+        return zero_comparison(world=2, steps=SIZES["steps"])
 
     def track_step_cost_vs_torch(self, result):
         """Median step time / torch's (target <= 1 / 1.05: 1.05x the throughput)."""
-        return result["step"]["leanstate"] / result["step"]["torch"]
+        return rounded(result["step"]["leanstate"] / result["step"]["torch"])
 
     track_step_cost_vs_torch.unit = "ratio"
 
@@ -29,13 +31,13 @@ class ZeroVersusTorch:
 
     def track_consolidate_seconds(self, result):
         """consolidate_state_dict of ~32 MiB per rank (target <= 0.1 s)."""
-        return result["consolidate"]["leanstate"]
+        return rounded(result["consolidate"]["leanstate"])
 
     track_consolidate_seconds.unit = "seconds"
 
     def track_torch_consolidate_seconds(self, result):
         """torch's consolidate_state_dict on the same state, for comparison."""
-        return result["consolidate"]["torch"]
+        return rounded(result["consolidate"]["torch"])
 
     track_torch_consolidate_seconds.unit = "seconds"
 

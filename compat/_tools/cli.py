@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
+import secrets
+import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import leanstate
@@ -16,115 +18,16 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(args)
 
 
-def _inspect_sharded(path: str, manifest: dict) -> int:
-    """``inspect`` of a checkpoint saved across ranks (format version 2)."""
-    from leanstate.reference.checkpoint import CheckpointError
-    from leanstate.reference.sharding import describe_bucketing
-    from leanstate.sharded_checkpoint import verify_sharded
-
-    print(f"  saved by {manifest['world_size']} ranks")
-    for name, t in manifest["tables"].items():
-        b = t["bucketing"]
-        print(
-            f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "
-            f"state {t['optimizer_state_dim']}), {describe_bucketing(b['buckets'], b['bucket_size'])}"
-        )
-        for f in t["files"]:
-            print(f"    {f['file']} (rank {f['rank']}): {f['bytes']} bytes in {len(f['chunks'])} chunks")
-    if manifest["extra"]:
-        print(f"  extra state: {manifest['extra']}")
-    try:
-        checked = sum(1 for _ in verify_sharded(path))
-    except (OSError, CheckpointError) as exc:
-        print(f"BAD: {exc}")
-        return 1
-    print(f"OK: {checked} chunks verified" + (", extra state verified" if manifest["extra"] else ""))
-    return 0
-
-
 def _inspect(args: argparse.Namespace) -> int:
-    """Print the manifest of a checkpoint and verify every chunk and the extra state; one BAD
-    line names the fault, whatever the input."""
-    try:
-        return _inspect_manifest(args)
-    except Exception as exc:  # a manifest the schema checks let through: still one line
-        message = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"BAD: {args.path}: cannot be inspected ({type(exc).__name__}: {message})")
-        return 1
+    from leanstate._tools.inspect import main as inspect
 
-
-def _inspect_manifest(args: argparse.Namespace) -> int:
-    from leanstate.checkpoint import verify_checkpoint
-    from leanstate.reference.checkpoint import CheckpointError
-    from leanstate.sharded_checkpoint import read_manifest_v2
-
-    try:
-        manifest = read_manifest_v2(Path(args.path))
-    except (OSError, CheckpointError) as exc:
-        print(f"BAD: {exc}")
-        return 1
-    print(f"{args.path}: {manifest['format']} version {manifest['version']}")
-    if manifest["version"] == 2:
-        return _inspect_sharded(args.path, manifest)
-    for name, t in manifest["tables"].items():
-        print(
-            f"  table {name}: {t['rows']} rows x {t['width']} {t['dtype']} (dim {t['dim']}, "
-            f"state {t['optimizer_state_dim']}), {t['bytes']} bytes in {len(t['chunks'])} chunks, "
-            f"ids {t['min_id']}..{t['max_id']}, file {t['file']}"
-        )
-    for name, v in manifest["views"].items():
-        kind = "read-only view" if v["read_only"] else "view"
-        first, last = v["width_offset"], v["width_offset"] + v["width"]
-        print(
-            f"  {kind} {name}: of {v['table']}, {v['width']} columns ({first} to {last - 1}), {v['rows']} rows"
-        )
-    if manifest["extra"]:
-        print(f"  extra state: {manifest['extra']}")
-    checked = 0
-    try:
-        for _ in verify_checkpoint(args.path):
-            checked += 1
-    except (OSError, CheckpointError) as exc:
-        print(f"BAD: {exc}")
-        return 1
-    print(f"OK: {checked} chunks verified" + (", extra state verified" if manifest["extra"] else ""))
-    return 0
+    return inspect(args.path)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Quick benchmarks: each figure beside its peer, with the ratio and the target."""
-    import csv
-    import json
+    from leanstate._tools.bench import main as bench
 
-    from leanstate._tools.bench import COLUMNS, format_table, plot, report
-
-    sizes = {"rows": args.rows, "dim": args.dim, "batch": args.batch}
-    sizes["checkpoint_rows"] = args.checkpoint_rows or 5 * args.rows
-    with warnings.catch_warnings():  # torch's sparse-invariant notice, from the peer's Adagrad
-        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-        rows = report(**sizes, backend=args.backend, quick=args.quick)
-    print(format_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"sizes": sizes, "rows": rows}, indent=1))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-    if args.plot:
-        try:
-            plot(rows, Path(args.plot))
-        except ImportError:
-            print("--plot needs matplotlib: pip install 'leanstate[bench]'", file=sys.stderr)
-            return 2
-    missed = [r for r in rows if r["met"] == "no"]
-    if args.check and missed:
-        for r in missed:
-            print(
-                f"missed: {r['component']} {r['measure']} [{r['backend']}]: {r['ratio']:.3g} vs {r['target']}"
-            )
-        return 1
-    return 0
+    return bench(args)
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
@@ -134,15 +37,44 @@ def _gpu_check(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from leanstate._checkpoint_files import replace_directory
     from leanstate.dcp import convert
 
+    source, target = Path(args.source), Path(args.target)
+    if not ((source / "manifest.json").is_file() or (source / ".metadata").is_file()):
+        print(
+            f"convert: {source} is not a checkpoint (no manifest.json, no .metadata); pass a whole-row or DCP "
+            "checkpoint directory",
+            file=sys.stderr,
+        )
+        return 1
+    if target.exists() and any(target.iterdir()) and not args.force:
+        print(
+            f"convert: {target} exists; pass --force to replace it, or choose another target", file=sys.stderr
+        )
+        return 1
+    # --force: convert beside the target, then swap (a failed conversion leaves it as it was)
+    out = target.parent / f".{target.name}.converting-{secrets.token_hex(4)}" if target.exists() else target
     try:
-        written = convert(args.source, args.target)
-    except (leanstate.CheckpointError, FileNotFoundError) as exc:
-        print(f"convert failed: {exc}", file=sys.stderr)
+        written = convert(source, out)
+        if out != target:
+            previous = target.parent / f".{target.name}.replaced-{secrets.token_hex(4)}"
+            replace_directory(out, target, previous)
+            shutil.rmtree(previous)
+    except (leanstate.CheckpointError, OSError, ValueError) as exc:
+        if out != target:
+            shutil.rmtree(out, ignore_errors=True)
+        print(f"convert: {source} -> {target} failed: {_one_line(exc)}", file=sys.stderr)
         return 1
     print(f"{args.source} -> {args.target} ({'DCP' if written == 'dcp' else 'whole-row, version 1'})")
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's first line without the internal prefixes of the layers it passed through
+    (``leanstate.dcp.save: rank 0: ValueError: ...``)."""
+    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return re.sub(r"^(?:[\w.]+: )?(?:rank \d+: )?(?:\w+Error: )?", "", message)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -179,21 +111,41 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
-    bench.add_argument("--rows", type=int, default=200_000, help="rows in each table")
+    bench.add_argument("--rows", type=int, default=None, help="rows in each table (200,000; quick 100,000)")
     bench.add_argument(
         "--checkpoint-rows",
         type=int,
         default=None,
-        help="rows of the checkpointed table (default 5 x --rows)",
+        help="rows of the checkpointed table (1,000,000; quick 300,000)",
     )
-    bench.add_argument("--dim", type=int, default=128, help="embedding dim")
-    bench.add_argument("--batch", type=int, default=16_384, help="ids per store get/set batch")
+    bench.add_argument("--dim", type=int, default=None, help="embedding dim (128)")
+    bench.add_argument(
+        "--batch", type=int, default=None, help="ids per store get/set batch (16,384; quick 8,192)"
+    )
     bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
-    bench.add_argument("--quick", action="store_true", help="fewer repeats, steps and ranks; the same sizes")
+    bench.add_argument(
+        "--quick", action="store_true", help="smaller sizes, fewer rounds, steps and ranks (~3 min)"
+    )
     bench.add_argument("--check", action="store_true", help="exit 1 if any target is missed in every round")
     bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     bench.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     bench.add_argument("--plot", metavar="PNG", help="also draw each ratio beside its target (matplotlib)")
+    bench.add_argument(
+        "--gate", action="store_true", help="the regression gate of make test; exit 1 on a FAIL"
+    )
+    bench.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("OLD", "NEW"),
+        help="what got slower or faster between two --json files",
+    )
+    bench.add_argument(
+        "--html", metavar="DIR", help="write the offline history page (asv results, --history)"
+    )
+    bench.add_argument("--asv-results", default="asv_bench/results", help="asv's results folder for --html")
+    bench.add_argument(
+        "--history", nargs="*", default=[], metavar="JSON", help="bench --json files for --html"
+    )
     bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")
@@ -207,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     convert.add_argument("source", help="a whole-row checkpoint directory, or a DCP one")
     convert.add_argument("target", help="the directory to write, in the other format")
+    convert.add_argument("--force", action="store_true", help="replace the target if it exists")
     convert.set_defaults(run=_convert)
     gpu = commands.add_parser(
         "gpu-check", help="the gpu-marked tests and the GPU bench (needs a CUDA device)"

@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -264,7 +265,12 @@ def main(args: argparse.Namespace) -> int:
             )
         )
         failed += not ok
-        print(f"  {rows[-1][3]} {component} [{backend}] {what}", flush=True)
+        if sys.stderr.isatty():  # progress on one line of the terminal; the table is the output
+            print(
+                f"\r{len(rows)} checks done, {failed} failed: {component} [{backend}]\033[K",
+                end="",
+                file=sys.stderr,
+            )
     if args.backend in (None, "reference") or args.backend == leanstate.backend_info().chosen["embedding"]:
         start = time.perf_counter()
         outcome = _two_ranks(args.quick)
@@ -285,6 +291,8 @@ def main(args: argparse.Namespace) -> int:
             )
             failed += not ok
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     print()
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True)), " ", row[5])

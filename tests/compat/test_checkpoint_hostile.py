@@ -210,6 +210,7 @@ INTERRUPTED = textwrap.dedent(
     from leanstate import KVStore, load_checkpoint
 
     path, mode = sys.argv[1], sys.argv[2]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the parent ignores SIGINT
     store = KVStore(8, optimizer_state_dim=1)
     if mode == "live":
         store.set(torch.arange(500), torch.zeros(500, 8))  # a store that already holds rows

@@ -21,6 +21,8 @@ def test_verify_quick_passes_every_installed_backend():
     for component in ("kv_store", "checkpoint", "embedding", "wrappers", "sharded", "zero"):
         assert any(line.startswith(component) and "PASS" in line for line in out.splitlines()), component
     assert "FAIL" not in out and " 0 failed" in out
+    passed = int(out.split(" passed, ")[0].split()[-1])
+    assert sum(" PASS " in f" {line} " for line in out.splitlines()) == passed  # one table, each check once
 
 
 @pytest.fixture

@@ -1,0 +1,64 @@
+"""The command line's promises: one table from verify, DCP checkpoints inspected too,
+convert refusing to replace a checkpoint without --force, and every error one line that
+names the path and the fix."""
+
+import torch
+
+import leanstate
+import leanstate.dcp as kvdcp
+from leanstate._tools.cli import main
+
+
+def filled(n=50):
+    store = leanstate.KVStore(4, optimizer_state_dim=1, backend="reference")
+    store.set(torch.arange(n) * 7, torch.randn(n, 4))
+    return store
+
+
+def test_inspect_verifies_a_dcp_checkpoint_and_names_a_bad_chunk(tmp_path, capsys):
+    kvdcp.save({"t": filled(), "dense": torch.ones(3)}, checkpoint_id=tmp_path / "d", chunk_bytes=256)
+    assert main(["inspect", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "DCP checkpoint" in out and "table t: 50 rows" in out
+    chunks = int(out.split("OK: ")[1].split()[0])
+    assert chunks > 3
+    data = next(p for p in (tmp_path / "d").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert main(["inspect", str(tmp_path / "d")]) == 1
+    bad = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and str(tmp_path / "d") in bad[0], bad
+
+
+def test_convert_refuses_to_replace_a_checkpoint_unless_forced(tmp_path, capsys):
+    leanstate.save_checkpoint(tmp_path / "native", {"t": filled()})
+    leanstate.save_checkpoint(tmp_path / "other", {"t": filled(5)})
+    before = (tmp_path / "other" / "t.rows").read_bytes()
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "other") in err[0] and "--force" in err[0], err
+    assert (tmp_path / "other" / "t.rows").read_bytes() == before  # untouched
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "other"), "--force"]) == 0
+    assert (tmp_path / "other" / ".metadata").is_file()
+
+
+def test_convert_errors_are_one_line_naming_the_path(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "missing") in err[0] and "checkpoint directory" in err[0], err
+    leanstate.save_checkpoint(tmp_path / "native", {"t": filled()})
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "file" / "sub")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rank 0" not in err[0] and "Error:" not in err[0], err
+    assert str(tmp_path / "file" / "sub") in err[0]
+
+
+def test_table_config_defaults_agree():
+    config = leanstate.KVTableConfig("t", 4, optimizer="rowwise_adagrad", optimizer_offloading=False)
+    assert config.return_whole_row is False
+    bag = leanstate.KVEmbeddingBag.from_config(config)
+    assert bag.state_store is not None and not bag.return_whole_row
+    assert leanstate.KVTableConfig("t", 4).return_whole_row is True
+    assert leanstate.KVTableConfig("t", 4, return_whole_row=False).return_whole_row is False
