@@ -1,4 +1,4 @@
-"""The sealed seams (DESIGN §2.1, "Sealed seams"), checked over the source: no module uses
+"""The sealed seams (``spec/backends.md``, "Where each kind of code lives"), checked over the source: no module uses
 another's privates, no engine imports a peer engine, no module outgrows one idea, and no
 test imports another test file.
 

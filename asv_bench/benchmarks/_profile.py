@@ -1,8 +1,9 @@
 """The sizes every asv suite runs at, chosen by ``LEANSTATE_ASV`` (read at import):
 
 - ``full`` (default): the design's sizes (1M rows x 128, batches of 65,536), every backend;
-- ``quick``: a few hundred thousand rows, accelerated backends only (``make bench``, about
-  ten minutes on 2 cores);
+- ``quick``: 100,000 rows, the backend ``auto`` chooses here only (``make bench``,
+  under ten minutes on 2 cores: each benchmark is a fresh process, about ten seconds
+  each at two backends was twenty minutes);
 - ``tiny``: seconds per benchmark, for the test that runs each one in a fresh process.
 
 Tracked values are rounded to three significant digits (:func:`rounded`).
@@ -34,12 +35,16 @@ SIZES = {
 }[PROFILE]
 
 
+# asv's timing: ``repeat`` samples in each of ``ROUNDS`` fresh processes (asv reports
+# their spread); quick: one process, three samples.
+ROUNDS, REPEAT = (2, 5) if PROFILE == "full" else (1, 3)
+
+
 def backends(component: str) -> list[str]:
-    """The backends a suite runs: every available one at ``full``, the accelerated ones otherwise."""
-    available = sorted(_backends.available(component))
+    """The backends a suite runs: every available one at ``full``, else the one ``auto`` picks."""
     if PROFILE == "full":
-        return available
-    return [b for b in available if b != "reference"] or available
+        return sorted(_backends.available(component))
+    return [_backends.CHOSEN.choice(component)]
 
 
 def rounded(value: float) -> float:

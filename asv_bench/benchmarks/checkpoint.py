@@ -9,7 +9,7 @@ Every benchmark sets up all it reads (asv runs each in a fresh process).
 
 from leanstate._tools.workloads import CheckpointIO, best_time, load_peak_extra_bytes
 
-from ._profile import SIZES, backends, rounded
+from ._profile import REPEAT, ROUNDS, SIZES, backends, rounded
 
 CHUNK = 16 * 2**20
 
@@ -19,8 +19,8 @@ class CheckpointThroughput:
     param_names = ["backend"]
     timeout = 600
     number = 1
-    repeat = 3
-    rounds = 2
+    repeat = REPEAT
+    rounds = ROUNDS
 
     def setup(self, backend):
         self.io = CheckpointIO(SIZES["rows"], SIZES["dim"], backend)

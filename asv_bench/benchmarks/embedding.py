@@ -11,7 +11,7 @@ import statistics
 from leanstate import _backends
 from leanstate._tools.workloads import EmbeddingStep, best_times, threads_under_load
 
-from ._profile import PROFILE, SIZES, backends, rounded
+from ._profile import PROFILE, REPEAT, ROUNDS, SIZES, backends, rounded
 
 PEERS = {"sgd": "sgd", "rowwise_adagrad": "adagrad"}
 BATCH = 64 if PROFILE == "tiny" else 4096
@@ -22,8 +22,8 @@ class EmbeddingTrainingStep:
     param_names = ["backend", "optimizer"]
     timeout = 900
     number = 1
-    repeat = 5
-    rounds = 2
+    repeat = REPEAT
+    rounds = ROUNDS
 
     def setup(self, backend, optimizer):
         rows, dim = SIZES["embedding_rows"], SIZES["dim"]
@@ -52,7 +52,7 @@ class ThreadsUnderLoad:
     timeout = 900
 
     def setup_cache(self):
-        rounds = 1 if PROFILE == "tiny" else 3
+        rounds = 3 if PROFILE == "full" else 1
         return threads_under_load(rounds) if "numba" in _backends.available("embedding") else None
 
     def track_cost_vs_one_thread(self, result, figure):

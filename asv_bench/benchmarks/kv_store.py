@@ -13,7 +13,7 @@ import statistics
 
 from leanstate._tools.workloads import KVGetSet, samples
 
-from ._profile import SIZES, backends, rounded
+from ._profile import REPEAT, ROUNDS, SIZES, backends, rounded
 
 
 class KVStoreGetSet:
@@ -21,8 +21,8 @@ class KVStoreGetSet:
     param_names = ["backend"]
     timeout = 900
     number = 1
-    repeat = 5
-    rounds = 2
+    repeat = REPEAT
+    rounds = ROUNDS
 
     def setup(self, backend):
         self.work = KVGetSet(SIZES["rows"], SIZES["dim"], SIZES["batch"], backend)

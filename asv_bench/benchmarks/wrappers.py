@@ -7,10 +7,10 @@ no-wrapper bytes (torch's offload_wrapper copies parameters and host tensors too
 
 from leanstate._tools.workloads import WrapperStep, best_time
 
-from ._profile import PROFILE, rounded
+from ._profile import PROFILE, REPEAT, ROUNDS, rounded
 
-# 6 layers, d=512, T=256, batch 8; tiny: 2 layers, d=32, T=16, batch 2
-SHAPE = dict(layers=2, d=32, seq=16, batch=2) if PROFILE == "tiny" else {}
+# full: 6 layers, d=512, T=256, batch 8; quick: d=256, T=128, batch 4; tiny: 2 layers, d=32, T=16, batch 2
+SHAPE = {"full": {}, "quick": dict(d=256, seq=128, batch=4), "tiny": dict(layers=2, d=32, seq=16, batch=2)}[PROFILE]
 
 
 class WrapperStepTime:
@@ -18,7 +18,8 @@ class WrapperStepTime:
     param_names = ["variant"]
     timeout = 900
     number = 1
-    repeat = 3
+    repeat = REPEAT
+    rounds = ROUNDS
 
     def setup(self, variant):
         self.work = WrapperStep(variant, **SHAPE)
