@@ -24,13 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python -m leanstate demo
 
 # CUDA-simulator tests run in their own process (the variable must be set before numba is
-# imported), beside the main run; collecting none (exit 5) fails. Then the regression gate:
-# a handful of same-process ratios against peers, with a margin of 2.5x.
+# imported); collecting none (exit 5) fails. Then the regression gate: a handful of
+# same-process ratios against peers, with a margin of 2.5x.
 test: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim > .cudasim-tests.log 2>&1 & sim=$$!; \
-	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"; main=$$?; \
-	wait $$sim; status=$$?; echo "--- CUDA simulator tests"; cat .cudasim-tests.log; \
-	test $$main -eq 0 && test $$status -eq 0
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim
+	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"
 	$(BIN)/python -m leanstate bench --gate
 
 test-slow: $(STAMP)

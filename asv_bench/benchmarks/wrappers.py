@@ -10,7 +10,9 @@ from leanstate._tools.workloads import WrapperStep, best_time
 from ._profile import PROFILE, REPEAT, ROUNDS, rounded
 
 # full: 6 layers, d=512, T=256, batch 8; quick: d=256, T=128, batch 4; tiny: 2 layers, d=32, T=16, batch 2
-SHAPE = {"full": {}, "quick": dict(d=256, seq=128, batch=4), "tiny": dict(layers=2, d=32, seq=16, batch=2)}[PROFILE]
+SHAPE = {"full": {}, "quick": dict(d=256, seq=128, batch=4), "tiny": dict(layers=2, d=32, seq=16, batch=2)}[
+    PROFILE
+]
 
 
 class WrapperStepTime:

@@ -111,14 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
-    bench.add_argument("--rows", type=int, default=None, help="rows in each table (200,000; quick 100,000)")
+    bench.add_argument(
+        "--rows", type=int, default=None, metavar="N", help="rows in each table (200,000; quick 100,000)"
+    )
     bench.add_argument(
         "--checkpoint-rows",
         type=int,
         default=None,
-        help="rows of the checkpointed table (1,000,000; quick 300,000)",
+        metavar="N",
+        help="checkpointed rows (1,000,000; quick 300,000)",
     )
-    bench.add_argument("--dim", type=int, default=None, help="embedding dim (128)")
+    bench.add_argument("--dim", type=int, default=None, metavar="N", help="embedding dim (128)")
     bench.add_argument(
         "--batch", type=int, default=None, help="ids per store get/set batch (16,384; quick 8,192)"
     )
@@ -139,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("OLD", "NEW"),
         help="what got slower or faster between two --json files",
     )
+    bench.add_argument("--html", metavar="DIR", help="write the offline history page there")
     bench.add_argument(
-        "--html", metavar="DIR", help="write the offline history page (asv results, --history)"
+        "--asv-results", default="asv_bench/results", metavar="DIR", help="asv's results folder for --html"
     )
-    bench.add_argument("--asv-results", default="asv_bench/results", help="asv's results folder for --html")
     bench.add_argument(
         "--history", nargs="*", default=[], metavar="JSON", help="bench --json files for --html"
     )

@@ -45,7 +45,7 @@ def test_the_toy_backend_has_its_rows_in_the_bench_with_its_declared_target(toy)
         "reserve+insert 256 ids s",
         "memory bytes/row",
     ]
-    assert toy_lines[0][8] == ">= 0.0" and toy_lines[0][9] == "yes"
+    assert toy_lines[0][8] == ">= 0" and toy_lines[0][9] == "yes"
 
 
 def test_unregistering_removes_it():

@@ -47,7 +47,7 @@ def state_dict_round_trip(rank, world, folder):
 
 
 SCENARIOS = {"parity-adam": parity("adam"), "parity-sgd": parity("sgd"), "state-dict": state_dict_round_trip}
-BY_WORLD = {1: list(SCENARIOS), 2: list(SCENARIOS), 3: ["parity-adam", "state-dict"]}
+BY_WORLD = {2: list(SCENARIOS), 3: ["parity-adam"]}
 
 
 @pytest.fixture(scope="module")
