@@ -452,7 +452,7 @@ def main(args) -> int:
             print(f"bench --html: no figures in {args.asv_results} or --history files; run make bench first")
             return 1
         page = history.write_page(table, Path(args.html))
-        print(f"{page} ({len(table)} figures): open it in a browser, no network needed")
+        print(f"{page} ({table['figure'].nunique()} figures): open it in a browser, no network needed")
         return 0
     sizes = dict(QUICK_SIZES if args.quick else FULL_SIZES)
     if args.rows is not None and args.checkpoint_rows is None:

@@ -389,14 +389,15 @@ SCENARIOS = {
     "frozen-apart-per-param": frozen_apart(False),
 }
 COMMON = [
-    name
-    for name in SCENARIOS
-    if name.startswith(("parity", "reference", "closure", "add-param", "clipping", "state"))
+    name for name in SCENARIOS if name.startswith(("parity", "closure", "add-param", "clipping", "state"))
 ]
+# held to the textbook where sharding happens: 2 ranks both ways, 3 ranks (uneven shares) once
 BY_WORLD = {
     1: [*COMMON, "elastic-resume", "dense-types"],
-    2: [*COMMON, "elastic-save", "partition", "rebuild", "dense-types", "join", "frozen-apart-bucket"],
-    3: [*COMMON, "empty-shard", "elastic-resume", "partition", "join", "frozen-apart-bucket"],
+    2: [*COMMON, "reference-adam-bucket", "reference-sgd-per-param", "elastic-save", "partition", "rebuild"]
+    + ["dense-types", "join", "frozen-apart-bucket"],
+    3: [*COMMON, "reference-adam-bucket", "empty-shard", "elastic-resume", "partition", "join"]
+    + ["frozen-apart-bucket"],
     4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup", "frozen-apart-per-param"],
 }
 
