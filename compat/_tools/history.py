@@ -16,7 +16,7 @@ import math
 import re
 from pathlib import Path
 
-COLUMNS = ["source", "figure", "run", "date", "value", "low", "high", "higher_is_better"]
+COLUMNS = ["source", "figure", "run", "date", "value", "low", "high", "higher_is_better", "rounds"]
 
 
 def _pandas():
@@ -36,13 +36,14 @@ def bench_rows(path: Path) -> list[dict]:
         rows.append(
             {
                 "source": "bench",
-                "figure": f"{r['component']}: {r['measure']} [{r['backend']}]",
+                "figure": f"{r['component']}: {r['measure']} vs {r['peer']} [{r['backend']}]",
                 "run": data.get("commit") or Path(path).stem,
                 "date": data.get("date", 0),
                 "value": r["ratio"],
                 "low": min(ratios),
                 "high": max(ratios),
                 "higher_is_better": True,
+                "rounds": len(ratios),
             }
         )
     return rows
@@ -77,6 +78,7 @@ def asv_rows(results: Path) -> list[dict]:
                         "low": value if low is None else low,
                         "high": value if high is None else high,
                         "higher_is_better": False,
+                        "rounds": 1,
                     }
                 )
     return rows
@@ -100,12 +102,15 @@ def frame(bench_files: list[Path] = (), asv_results: Path | None = None):
 
 def compare(old: Path, new: Path):
     """Per figure of two bench files: the old and new ratio and whether it got slower or
-    faster beyond the spread of the rounds (the two spreads do not overlap), else same."""
+    faster beyond the spread of the rounds (the two spreads do not overlap), else same; a
+    figure measured in one round has no spread and is not judged ("one round")."""
     table = frame([old]).merge(frame([new]), on="figure", suffixes=(" old", " new"))
-    slower = table["high new"] < table["low old"]
-    faster = table["low new"] > table["high old"]
+    judged = (table["rounds old"] > 1) & (table["rounds new"] > 1)
+    slower = judged & (table["high new"] < table["low old"])
+    faster = judged & (table["low new"] > table["high old"])
     table["change"] = table["value new"] / table["value old"]
     table["verdict"] = "same"
+    table.loc[~judged, "verdict"] = "one round"
     table.loc[slower, "verdict"] = "slower"
     table.loc[faster, "verdict"] = "faster"
     return table[["figure", "value old", "value new", "change", "verdict"]]
@@ -113,7 +118,7 @@ def compare(old: Path, new: Path):
 
 def format_compare(table) -> str:
     """The comparison as text: the slower figures first."""
-    order = {"slower": 0, "faster": 1, "same": 2}
+    order = {"slower": 0, "faster": 1, "same": 2, "one round": 3}
     table = table.sort_values(by="verdict", key=lambda v: v.map(order), kind="stable")
     legend = "ratio: leanstate against its peer, higher is better; slower/faster: the rounds' spreads do not overlap"
     return legend + "\n" + table.to_string(index=False, float_format=lambda x: f"{x:.3g}")

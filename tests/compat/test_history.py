@@ -17,6 +17,7 @@ def bench_file(path, ratios_by_figure, commit):
             "component": "kv_store",
             "measure": measure,
             "backend": "numba",
+            "peer": "dense",
             "ratio": sorted(ratios)[len(ratios) // 2],
             "ratios": ratios,
         }
@@ -37,10 +38,15 @@ def test_compare_flags_only_changes_beyond_the_spread(tmp_path):
     )
     table = history.compare(old, new).set_index("figure")["verdict"].to_dict()
     assert table == {
-        "kv_store: get [numba]": "slower",
-        "kv_store: set [numba]": "same",
-        "kv_store: insert [numba]": "faster",
+        "kv_store: get vs dense [numba]": "slower",
+        "kv_store: set vs dense [numba]": "same",
+        "kv_store: insert vs dense [numba]": "faster",
     }
+    one = bench_file(tmp_path / "one.json", {"get": [0.8]}, "c")
+    assert (
+        history.compare(one, new).set_index("figure")["verdict"]["kv_store: get vs dense [numba]"]
+        == "one round"
+    )
     text = history.format_compare(history.compare(old, new))
     assert text.splitlines()[2].split()[0:2] == ["kv_store:", "get"]  # the slower figure first
 
@@ -69,7 +75,7 @@ def test_asv_results_and_bench_files_make_one_frame(tmp_path):
     assert sorted(table["figure"]) == [
         "kv_store.KVStoreGetSet.time_get('numba')",
         "kv_store.KVStoreGetSet.time_get('torch')",
-        "kv_store: get [numba]",
+        "kv_store: get vs dense [numba]",
         "zero.ZeroVersusTorch.track_broadcasts_per_step",
     ]
     row = table.set_index("figure").loc["kv_store.KVStoreGetSet.time_get('torch')"]
