@@ -48,7 +48,10 @@ __all__ = [
 ]
 
 DIM, STATE = 5, 2
-_POOL = st.integers(-2, 40)  # a small id pool: hits, misses and duplicates are common
+# A small id pool (hits, misses and duplicates are common) and the int64 edges: the
+# largest ids once passed every differential test while a mirror lost one of them.
+_EDGES = (0, 1, 2**62, 2**63 - 2, 2**63 - 1)
+_POOL = st.integers(-2, 40) | st.sampled_from(_EDGES)
 _IDS = st.lists(_POOL, min_size=0, max_size=16)
 _FLOATS = st.integers(-8, 8).map(lambda x: x / 4)  # exact in every dtype
 
@@ -116,7 +119,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert same_bits(a, b), f"{method}({ids.tolist()}) differs"
 
     @rule(
-        ids=st.lists(st.integers(0, 40), max_size=8),
+        ids=st.lists(st.integers(0, 40) | st.sampled_from(_EDGES), max_size=8),
         stamps=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=8),
         counts=st.lists(st.integers(0, COUNT_MAX), min_size=8, max_size=8),
         fill=_FLOATS,
@@ -153,10 +156,11 @@ class StoreMachine(RuleBasedStateMachine):
         a, b = self.both("evict", **policy)
         assert torch.equal(a, b), f"evict({policy}) evicted {b.tolist()}, the reference {a.tolist()}"
 
-    @rule(lo=st.integers(-5, 45), span=st.integers(0, 50))
+    @rule(lo=st.integers(-5, 45) | st.sampled_from(_EDGES), span=st.integers(0, 50) | st.just(2**63))
     def keys_in_range(self, lo, span):
-        a, b = self.both("keys_in_range", lo, lo + span)
-        assert torch.equal(a, b), f"keys_in_range({lo}, {lo + span}) differs"
+        hi = min(lo + span, 2**63)  # up to the end of the id space
+        a, b = self.both("keys_in_range", lo, hi)
+        assert torch.equal(a, b), f"keys_in_range({lo}, {hi}) differs"
 
     @invariant()
     def same_rows(self):
