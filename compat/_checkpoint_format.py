@@ -22,6 +22,7 @@ from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSI
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
+from leanstate.reference.sharding import BucketedTable
 
 __all__ = ["EXTRA_FILE", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "CheckpointError"]  # the format's names
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -69,7 +70,7 @@ def targets_of(tables: Mapping[str, object], method: str) -> list[Target]:
             targets.append(Target(name, value.store, value))
         elif isinstance(value, SupportsRows):
             targets.append(Target(name, value, None))
-        elif isinstance(getattr(value, "store", None), SupportsRows) and hasattr(value, "buckets"):
+        elif isinstance(value, BucketedTable):
             raise TypeError(
                 f"{method}: tables[{name!r}] is a sharded module's table (from checkpoint_tables() of a "
                 "ShardedKVEmbeddingBagCollection): pass process_group= (on every rank) as well"

@@ -34,6 +34,7 @@ def _dcp(path: str) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from leanstate.dcp import INDEX_KEY, KVLoadPlanner, SafeFileSystemReader
+    from leanstate.dcp._state import split_key
 
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
@@ -41,9 +42,7 @@ def _dcp(path: str) -> int:
         print(f"BAD: {exc}")
         return 1
     index = (metadata.planner_data or {}).get(INDEX_KEY)
-    dense = [
-        key for key in metadata.state_dict_metadata if key.rsplit("/", 1)[-1] not in ("rows", "crc", "schema")
-    ]
+    dense = [key for key in metadata.state_dict_metadata if not split_key(key)[1]]
     print(f"{path}: DCP checkpoint, {len(dense)} dense or table keys")
     if index is None:
         print("OK: no leanstate KV tables in it (nothing to verify)")
