@@ -1,11 +1,12 @@
 """The kernels of the ``numba-cuda`` store engine (``numba_cuda_kv_store``) and the one
-helper that launches them: the table's lookups, bids, placements and removals, and the
-row moves, plus the never-contracted float arithmetic the embedding kernels share.
-Kernels move rows as raw words (int64 headers, element-wide columns), so they never
-depend on the row dtype."""
+helper that launches every numba-cuda kernel: the table's lookups, placements and
+removals, the row moves, the initial weights computed where they are needed, plus the
+never-contracted float arithmetic the embedding kernels share. Kernels move rows as raw
+words (int64 headers, element-wide columns), so they never depend on the row dtype."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -19,21 +20,42 @@ SIMULATED = bool(config.ENABLE_CUDASIM)
 if SIMULATED:  # the simulator runs kernels as Python: uint64 wrap-around warns there
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning, __name__)
 
-EMPTY, TOMBSTONE = -1, -2
-NO_BID = np.int64(-1)  # below every id: ids are non-negative, so no id is mistaken for it
+EMPTY, TOMBSTONE = -1, -2  # table slots; ids are non-negative, so no id is mistaken for either
 USED = np.int64(-(2**63))
 STAMP_BITS = np.int64(0xFFFFFFFF)
 COUNT_MAX64 = np.int64(COUNT_MAX)
 THREADS = 16 if SIMULATED else 256  # the simulator starts one Python thread per thread of a block
+WARP = 4 if SIMULATED else 32  # lanes per item of a warp-per-item kernel (fewer Python threads simulated)
 MIN_SLOTS = 16 if SIMULATED else 1024  # the simulator runs one Python thread per slot
 U64 = np.uint64
 GOLDEN, MIX1, MIX2 = U64(SPLITMIX_GOLDEN), U64(SPLITMIX_MIX1), U64(SPLITMIX_MIX2)
+# how a float32 value is stored as a row element: the kernels write bits, never floats
+KIND_FLOAT32, KIND_FLOAT16, KIND_BFLOAT16 = 0, 1, 2
+KINDS = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16, torch.bfloat16: KIND_BFLOAT16}
+INSTALL_HINT = "pip install 'leanstate[cuda]' (numba-cuda with its CUDA toolkit: NVVM and libdevice)"
 
 
+@cuda.jit(cache=True)
+def _k_probe(out):
+    out[0] = 1
+
+
+@functools.cache
 def unavailable() -> str | None:
-    """Why this engine cannot run here, or None."""
+    """Why this engine cannot run here, or None: a device, and a one-line kernel that
+    compiles and runs on it (NVVM and libdevice come with the toolkit, not the driver)."""
     if not cuda.is_available():
         return "numba.cuda reports no usable CUDA device (NUMBA_ENABLE_CUDASIM=1 runs it in the simulator)"
+    try:
+        probe = torch.zeros(1, dtype=torch.int64, device="cpu" if SIMULATED else "cuda")
+        launch(_k_probe, 1, probe)
+        if int(probe[0]) != 1:
+            return "numba-cuda ran a probe kernel that wrote nothing"
+    except Exception as error:  # noqa: BLE001 - any failure to compile or run is the reason
+        name = type(error).__name__
+        if "Nvvm" in name or "NVVM" in str(error) or "libdevice" in str(error):
+            return f"numba-cuda cannot compile kernels: NVVM or libdevice is missing ({name}); {INSTALL_HINT}"
+        return f"numba-cuda cannot run a kernel here: {name}: {error}"
     return None
 
 
@@ -45,14 +67,39 @@ def device_array(t: torch.Tensor):
     """A tensor as a kernel argument without a copy: its CUDA array interface, or (in the
     simulator, on the CPU) its memory wrapped as a simulated device array. A plain numpy
     argument would be copied in and back out, and two views of one pool (rows and
-    headers) would then overwrite each other's writes."""
+    headers) would then overwrite each other's writes.
+
+    A tensor that requires grad is refused, in the simulator too, as torch's
+    ``__cuda_array_interface__`` refuses it: ``launch`` passes detached tensors."""
+    if t.requires_grad:
+        raise RuntimeError(
+            "a kernel argument requires grad; torch exports no such tensor to a kernel (detach() it)"
+        )
     return cuda.as_cuda_array(t) if t.is_cuda else FakeCUDAArray(t.numpy())
 
 
-def launch(kernel, n: int, *args) -> None:
-    """Run ``kernel`` over ``n`` threads (nothing when ``n`` is 0)."""
-    if n:
-        kernel[(n + THREADS - 1) // THREADS, THREADS](*args)
+def launch(kernel, n: int, *args, lanes: int = 1) -> None:
+    """Run ``kernel`` over ``n`` items of ``lanes`` threads each (nothing when ``n`` is 0).
+
+    Every numba-cuda kernel starts here. Tensors are passed detached, through
+    ``device_array``; on a GPU the kernel runs in the context of the tensors' device and
+    on torch's current stream there, so it is ordered with the torch ops around it (and
+    with the caching allocator's reuse of their memory) inside ``torch.cuda.stream(s)``
+    too. The simulator has one device and no streams."""
+    if not n:
+        return
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    args = tuple(device_array(a.detach()) if isinstance(a, torch.Tensor) else a for a in args)
+    per_block = max(THREADS, lanes)
+    blocks = (n * lanes + per_block - 1) // per_block
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type != "cuda":
+        kernel[blocks, per_block](*args)
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cuda.gpus[index]:  # pragma: no cover - needs a GPU
+        stream = cuda.external_stream(torch.cuda.current_stream(index).cuda_stream)
+        kernel[blocks, per_block, stream](*args)
 
 
 # -- arithmetic that is never contracted (shared with the embedding kernels) -------------
@@ -75,6 +122,14 @@ if SIMULATED:
     def sqrt(a):
         return np.float32(np.sqrt(np.float64(a)))
 
+    @cuda.jit(device=True)
+    def float_bits(a):
+        return np.int64(np.float32(a).view(np.int32))
+
+    @cuda.jit(device=True)
+    def half_bits(a):
+        return np.int64(np.float32(a).astype(np.float16).view(np.uint16))
+
 else:  # pragma: no cover - needs a GPU
     from numba.cuda import libdevice
 
@@ -94,6 +149,29 @@ else:  # pragma: no cover - needs a GPU
     def sqrt(a):
         return libdevice.fsqrt_rn(a)
 
+    @cuda.jit(device=True)
+    def float_bits(a):
+        return np.int64(libdevice.float_as_int(a))
+
+    @cuda.jit(device=True)
+    def half_bits(a):
+        return np.int64(libdevice.float2half_rn(a))
+
+
+@cuda.jit(device=True)
+def element(value, kind):
+    """The row element (int32 or int16 bits, as a signed value) of float32 ``value``,
+    rounded to nearest even as torch's ``.to(dtype)`` rounds a finite value."""
+    bits = float_bits(value)
+    if kind == KIND_FLOAT32:
+        return bits
+    if kind == KIND_FLOAT16:
+        half = half_bits(value)
+    else:
+        unsigned = bits & np.int64(0xFFFFFFFF)
+        half = (unsigned + np.int64(0x7FFF) + ((unsigned >> 16) & 1)) >> 16
+    return ((half + np.int64(0x8000)) & np.int64(0xFFFF)) - np.int64(0x8000)
+
 
 # -- hashing and the table ---------------------------------------------------------------
 
@@ -111,7 +189,16 @@ def home(key, mask):
     return np.int64(splitmix64(U64(key)) & U64(mask))
 
 
-@cuda.jit
+@cuda.jit(device=True)
+def initial_weight(key, c, seeded, span, low):
+    """Column ``c`` of ``key``'s initial weights (``spec/kv_store.md``), float32."""
+    per_key = splitmix64(U64(key) ^ seeded)
+    bits = splitmix64(per_key ^ U64(c))
+    u = np.float32(bits >> U64(64 - INIT_BITS)) * np.float32(1.0 / 2**INIT_BITS)
+    return add(mul(span, u), low)
+
+
+@cuda.jit(cache=True)
 def k_lookup(table_keys, table_blocks, ids, out):
     """Block of every id: -1 missing, -2 negative (padding)."""
     i = cuda.grid(1)
@@ -134,41 +221,31 @@ def k_lookup(table_keys, table_blocks, ids, out):
         s = (s + 1) & mask
 
 
-@cuda.jit
-def k_start(table_keys, keys, position):
+@cuda.jit(cache=True)
+def k_place(table_keys, table_blocks, keys, found, rank, fresh, blocks):
+    """``blocks[i]``: ``found[i]``, or for a missing id (-1) the fresh block ``fresh[rank[i]]``,
+    its key claimed in the first free slot of its probe (empty or a tombstone) by
+    compare-and-swap. The keys are distinct and absent, so a lost race only moves an id
+    on: every round of placing is inside this one kernel, with no host in the loop."""
     i = cuda.grid(1)
-    if i < keys.shape[0]:
-        position[i] = home(keys[i], table_keys.shape[0] - 1)
-
-
-@cuda.jit
-def k_bid(table_keys, bids, position, keys, placed):
-    """Each pending id bids for its slot when the slot is free (empty or a tombstone)."""
-    i = cuda.grid(1)
-    if i < keys.shape[0] and not placed[i] and table_keys[position[i]] < 0:
-        cuda.atomic.max(bids, position[i], keys[i])
-
-
-@cuda.jit
-def k_settle(table_keys, table_blocks, bids, position, keys, blocks, placed, reused, pending):
-    """The largest bidder takes its free slot; the others move one slot on."""
-    i = cuda.grid(1)
-    if i >= keys.shape[0] or placed[i]:
+    if i >= keys.shape[0]:
         return
-    s = position[i]
-    if bids[s] == keys[i]:
-        if table_keys[s] == TOMBSTONE:
-            cuda.atomic.add(reused, 0, 1)
-        table_keys[s] = keys[i]
-        table_blocks[s] = blocks[i]
-        bids[s] = NO_BID
-        placed[i] = True
-    else:
-        position[i] = (s + 1) & (table_keys.shape[0] - 1)
-        cuda.atomic.add(pending, 0, 1)
+    if found[i] != -1:
+        blocks[i] = found[i]
+        return
+    key, block = keys[i], fresh[rank[i]]
+    mask = table_keys.shape[0] - 1
+    s = home(key, mask)
+    while True:
+        seen = table_keys[s]
+        if seen < 0 and cuda.atomic.cas(table_keys, s, seen, key) == seen:
+            table_blocks[s] = block
+            blocks[i] = block
+            return
+        s = (s + 1) & mask
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_live(table_keys, table_blocks, keys, blocks, count):
     """Every live (key, block), in no particular order; ``count[0]`` ends up the number."""
     s = cuda.grid(1)
@@ -178,7 +255,7 @@ def k_live(table_keys, table_blocks, keys, blocks, count):
         blocks[n] = table_blocks[s]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_remove(table_keys, table_blocks, words, keys, freed, removed):
     """Tombstone each present key (distinct), zero its row and list its block as freed."""
     i = cuda.grid(1)
@@ -201,33 +278,49 @@ def k_remove(table_keys, table_blocks, words, keys, freed, removed):
 # -- rows --------------------------------------------------------------------------------
 
 
-@cuda.jit
-def k_initial_weights(ids, seeded, span, low, out):
-    """float32 ``[len(ids), dim]`` initial weights (``spec/kv_store.md``), one thread per value."""
+@cuda.jit(cache=True)
+def k_initial_rows(elems, words, blocks, keys, found, first, dim, seeded, span, low, kind):
+    """The whole initial row of each id that ``found`` says was missing (-1), at its new
+    block: header (key, ``used``), initial weights, zero state (and padding); one thread
+    per element. The weights start right after the header, at element ``first``."""
     t = cuda.grid(1)
-    dim = out.shape[1]
-    if t >= ids.shape[0] * dim:
+    width = elems.shape[1]
+    if t >= keys.shape[0] * width:
         return
-    i, c = t // dim, t % dim
-    per_key = splitmix64(U64(ids[i]) ^ seeded)
-    bits = splitmix64(per_key ^ U64(c))
-    u = np.float32(bits >> U64(64 - INIT_BITS)) * np.float32(1.0 / 2**INIT_BITS)
-    out[i, c] = add(mul(span, u), low)
+    i, c = t // width, t % width
+    if found[i] != -1:
+        return
+    b = blocks[i]
+    if c == 0:
+        words[b, 0] = keys[i]
+        words[b, 1] = USED
+    elif c >= first:
+        column = c - first
+        inside = column >= 0 and column < dim
+        elems[b, c] = element(initial_weight(keys[i], column, seeded, span, low), kind) if inside else 0
 
 
-@cuda.jit
-def k_gather(elems, blocks, start, out):
-    """``out[i] = row(blocks[i])[start:start + width]``, zeros where the block is < 0."""
+@cuda.jit(cache=True)
+def k_gather(elems, blocks, ids, start, initial, first, dim, seeded, span, low, kind, out):
+    """``out[i] = row(blocks[i])[start:start + width]``; a missing id (-1) its initial
+    weights when ``initial`` (zeros elsewhere), a negative one (-2) zeros."""
     t = cuda.grid(1)
     width = out.shape[1]
     if t >= blocks.shape[0] * width:
         return
     i, c = t // width, t % width
     b = blocks[i]
-    out[i, c] = elems[b, start + c] if b >= 0 else 0
+    if b >= 0:
+        out[i, c] = elems[b, start + c]
+        return
+    column = start + c - first
+    if b == -1 and initial and column >= 0 and column < dim:
+        out[i, c] = element(initial_weight(ids[i], column, seeded, span, low), kind)
+    else:
+        out[i, c] = 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_put(elems, blocks, rows):
     """Whole rows (as elements) written at distinct present blocks."""
     t = cuda.grid(1)
@@ -237,28 +330,30 @@ def k_put(elems, blocks, rows):
         elems[blocks[i], c] = rows[i, c]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_write_columns(elems, blocks, source, values, start):
-    """``row(blocks[u])[start:] = values[source[u]]`` for distinct blocks, one thread per value."""
+    """``row(blocks[u])[start:] = values[source[u]]`` for distinct blocks (none < 0), one
+    thread per value."""
     t = cuda.grid(1)
     width = values.shape[1]
     if t < blocks.shape[0] * width:
         u, c = t // width, t % width
-        elems[blocks[u], start + c] = values[source[u], c]
+        if blocks[u] >= 0:
+            elems[blocks[u], start + c] = values[source[u], c]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_stamp(words, blocks, writes, now):
-    """Header of each distinct block after ``writes[u]`` more writes: count (saturating),
-    timestamp ``now``, used."""
+    """Header of each distinct block (none < 0) after ``writes[u]`` more writes: count
+    (saturating), timestamp ``now``, used."""
     u = cuda.grid(1)
-    if u < blocks.shape[0]:
+    if u < blocks.shape[0] and blocks[u] >= 0:
         meta = words[blocks[u], 1]
         count = min(((meta >> 32) & COUNT_MAX64) + writes[u], COUNT_MAX64)
         words[blocks[u], 1] = np.int64(now) | (count << 32) | USED
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_write_rows(words, blocks, source, rows):
     """Whole rows ``rows[source[u]]`` (as words) at distinct blocks, ``used`` set."""
     t = cuda.grid(1)
@@ -269,14 +364,14 @@ def k_write_rows(words, blocks, source, rows):
         words[blocks[u], c] = word | USED if c == 1 else word
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_metadata(words, blocks, out):
     i = cuda.grid(1)
     if i < blocks.shape[0]:
         out[i] = words[blocks[i], 1] if blocks[i] >= 0 else 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def k_doomed(words, blocks, min_count, max_age_s, now, norms, min_l2_norm, doomed):
     """The eviction rules of ``spec/kv_store.md`` per live row (a threshold < 0 is off)."""
     i = cuda.grid(1)

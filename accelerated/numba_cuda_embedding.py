@@ -2,15 +2,18 @@
 
 Same interface and bits as ``leanstate.reference.embedding.EmbeddingEngine``
 (``spec/backends.md``). Forward is one kernel (a thread per bag and column) that reads
-each distinct id's row where it lies in the store's pool (the initial row for a missing
-id) and pools the bag's positions in order. Backward is one kernel (a thread per
-distinct id) that sums the id's gradient over its positions in ascending order, applies
-the rule of ``spec/embedding.md`` to its weights and state in the pool, and stamps the
-header. Every float32 operation is rounded once and none is contracted into a fused
+each distinct id's row where it lies in the store's pool (a missing id's initial weights
+computed in the kernel) and pools the bag's positions in order. Backward is one kernel
+with a warp per distinct id, its lanes over the columns: each lane sums its columns'
+gradient over the id's positions in ascending order, the lanes apply the rule of
+``spec/embedding.md`` to the weights and state in the pool (row-wise Adagrad's sum over
+columns is one lane's, in column order), and one lane stamps the header. Every float32 operation is rounded once and none is contracted into a fused
 multiply-add: on a GPU they are libdevice's ``__fmul_rn`` / ``__fadd_rn`` /
 ``__fdiv_rn`` / ``__fsqrt_rn`` (numba-cuda would otherwise let NVVM contract them), so
 the rows are the reference's bit for bit. The per-id position lists and bag indices
-are torch ops on the same device. It touches its stores only through their row-access
+are torch ops on the same device that never wait for the device: a training step's only
+waits are the front class's (one for the batch checks, one for the distinct ids) and one
+per store with new ids. It touches its stores only through their row-access
 interface.
 
 16-bit rows (the kernels read float32) run the same kernels on a float32 copy of the
@@ -27,9 +30,10 @@ import torch
 from numba import cuda
 
 from leanstate.accelerated._numba_cuda_kv_kernels import (
+    WARP,
     add,
-    device_array,
     div,
+    initial_weight,
     launch,
     mul,
     sqrt,
@@ -49,9 +53,10 @@ _USED = np.int64(-(2**63))
 _COUNT_MAX = np.int64(COUNT_MAX)
 
 
-@cuda.jit
-def _k_pool(rows, blocks, initial, slot_of_missing, start, inverse, offsets, scales, mean, out):
-    """``out[b, c]``: bag b's positions p summed in order, ``scales[p] * row(unique[inverse[p]])[c]``."""
+@cuda.jit(cache=True)
+def _k_pool(rows, blocks, ids, seeded, span, low, start, inverse, offsets, scales, mean, out):
+    """``out[b, c]``: bag b's positions p summed in order, ``scales[p] * row(unique[inverse[p]])[c]``;
+    a missing id's row (block -1) is its initial weights, computed here."""
     t = cuda.grid(1)
     dim = out.shape[1]
     if t >= out.shape[0] * dim:
@@ -60,7 +65,8 @@ def _k_pool(rows, blocks, initial, slot_of_missing, start, inverse, offsets, sca
     total = np.float32(0.0)
     for p in range(offsets[b], offsets[b + 1]):
         u = inverse[p]
-        value = rows[blocks[u], start + c] if blocks[u] >= 0 else initial[slot_of_missing[u], c]
+        block = blocks[u]
+        value = rows[block, start + c] if block >= 0 else initial_weight(ids[u], c, seeded, span, low)
         if scales.shape[0] > 0:
             value = mul(value, scales[p])
         total = add(total, value)
@@ -79,7 +85,7 @@ def _contribution(grad_output, bag, c, p, offsets, scales, mean):
     return value
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _k_row_gradients(starts, positions, bag_of, offsets, scales, mean, grad_output, grad):
     """``grad[u, c]``: id u's positions, in ascending order, summed from zero."""
     t = cuda.grid(1)
@@ -101,50 +107,58 @@ def _stamp(words, block, now):
     words[block, 1] = np.int64(now) | (count << 32) | _USED
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _k_update(
     rows, words, blocks, start, state_rows, state_words, state_blocks, state_start, separate_state, rule,
     starts, positions, bag_of, offsets, scales, mean, grad_output, grad,
     lr, eps, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, step_size, root_correction, now,
 ):  # fmt: skip
-    """One distinct id per thread: its gradient, the rule on its weights and state, its header."""
-    u = cuda.grid(1)
-    if u >= blocks.shape[0]:
-        return
+    """A warp per distinct id, its lanes over the columns: the gradient, the rule on the
+    weights and state, the header. Every column's arithmetic is the reference's, in its
+    order; the barriers are reached by every thread of the block."""
+    t = cuda.grid(1)
+    u, lane = t // WARP, t % WARP
+    active = u < blocks.shape[0]
     dim = grad.shape[1]
-    b, sb = blocks[u], state_blocks[u]
-    for c in range(dim):
-        total = np.float32(0.0)
-        for k in range(starts[u], starts[u + 1]):
-            p = positions[k]
-            total = add(total, _contribution(grad_output, bag_of[p], c, p, offsets, scales, mean))
-        if weight_decay != 0.0:
-            total = add(total, mul(weight_decay, rows[b, start + c]))
-        grad[u, c] = total
-    if rule == _SGD:
-        for c in range(dim):
-            rows[b, start + c] = add(rows[b, start + c], -mul(lr, grad[u, c]))
-    elif rule == _ADAGRAD:
+    b = blocks[u] if active else 0
+    sb = state_blocks[u] if active else 0
+    if active:
+        for c in range(lane, dim, WARP):
+            total = np.float32(0.0)
+            for k in range(starts[u], starts[u + 1]):
+                p = positions[k]
+                total = add(total, _contribution(grad_output, bag_of[p], c, p, offsets, scales, mean))
+            if weight_decay != 0.0:
+                total = add(total, mul(weight_decay, rows[b, start + c]))
+            grad[u, c] = total
+    cuda.syncthreads()
+    if active and rule == _ADAGRAD and lane == 0:  # one sum over the columns, in their order
         total = np.float32(0.0)
         for c in range(dim):
             total = add(total, mul(grad[u, c], grad[u, c]))
-        momentum = add(state_rows[sb, state_start], div(total, np.float32(dim)))
-        state_rows[sb, state_start] = momentum
-        denominator = add(sqrt(momentum), eps)
-        for c in range(dim):
-            rows[b, start + c] = add(rows[b, start + c], -mul(lr, div(grad[u, c], denominator)))
-    else:
-        for c in range(dim):
-            g = grad[u, c]
-            m = add(mul(beta1, state_rows[sb, state_start + c]), mul(one_minus_beta1, g))
-            v = add(mul(beta2, state_rows[sb, state_start + dim + c]), mul(one_minus_beta2, mul(g, g)))
-            state_rows[sb, state_start + c] = m
-            state_rows[sb, state_start + dim + c] = v
-            step = mul(step_size, div(m, add(div(sqrt(v), root_correction), eps)))
-            rows[b, start + c] = add(rows[b, start + c], -step)
-    _stamp(words, b, now)
-    if separate_state:
-        _stamp(state_words, sb, now)
+        state_rows[sb, state_start] = add(state_rows[sb, state_start], div(total, np.float32(dim)))
+    cuda.syncthreads()
+    if active:
+        if rule == _SGD:
+            for c in range(lane, dim, WARP):
+                rows[b, start + c] = add(rows[b, start + c], -mul(lr, grad[u, c]))
+        elif rule == _ADAGRAD:
+            denominator = add(sqrt(state_rows[sb, state_start]), eps)
+            for c in range(lane, dim, WARP):
+                rows[b, start + c] = add(rows[b, start + c], -mul(lr, div(grad[u, c], denominator)))
+        else:
+            for c in range(lane, dim, WARP):
+                g = grad[u, c]
+                m = add(mul(beta1, state_rows[sb, state_start + c]), mul(one_minus_beta1, g))
+                v = add(mul(beta2, state_rows[sb, state_start + dim + c]), mul(one_minus_beta2, mul(g, g)))
+                state_rows[sb, state_start + c] = m
+                state_rows[sb, state_start + dim + c] = v
+                step = mul(step_size, div(m, add(div(sqrt(v), root_correction), eps)))
+                rows[b, start + c] = add(rows[b, start + c], -step)
+        if lane == 0:
+            _stamp(words, b, now)
+            if separate_state:
+                _stamp(state_words, sb, now)
 
 
 class EmbeddingEngine:
@@ -183,24 +197,22 @@ class EmbeddingEngine:
         return per_sample_weights.contiguous()
 
     def _by_id(self, unique_count: int, inverse: torch.Tensor, offsets: torch.Tensor):
-        """(starts [U + 1], positions grouped by id in ascending order, bag of each position)."""
+        """(starts [U + 1], positions grouped by id in ascending order, bag of each position),
+        with no wait for the device (sizes come from the host, counts from a search)."""
         positions = torch.argsort(inverse, stable=True)
-        counts = torch.bincount(inverse, minlength=unique_count)
-        starts = torch.zeros(unique_count + 1, dtype=torch.int64, device=self.device)
-        starts[1:] = torch.cumsum(counts, 0)
+        every_id = torch.arange(unique_count + 1, device=self.device)
+        starts = torch.searchsorted(inverse[positions], every_id)
         lengths = offsets[1:] - offsets[:-1]
         bags = torch.arange(len(lengths), device=self.device)
         bag_of = torch.repeat_interleave(bags, lengths, output_size=len(inverse))
         return starts, positions, bag_of
 
-    def _pool(
-        self, rows, blocks, initial, slot_of_missing, start, inverse, offsets, per_sample_weights, mean
-    ):
-        out = torch.empty(len(offsets) - 1, initial.shape[1], device=self.device)
+    def _pool(self, rows, blocks, unique, start, inverse, offsets, per_sample_weights, mean):
+        store = self.weights
+        out = torch.empty(len(offsets) - 1, store.layout.dim, device=self.device)
         launch(
-            _k_pool, out.numel(), device_array(rows), device_array(blocks), device_array(initial),
-            device_array(slot_of_missing), start, device_array(inverse), device_array(offsets),
-            device_array(self._scales(per_sample_weights)), mean, device_array(out),
+            _k_pool, out.numel(), rows, blocks, unique, *store.initial_scalars, start,
+            inverse, offsets, self._scales(per_sample_weights), mean, out,
         )  # fmt: skip
         return out
 
@@ -208,19 +220,16 @@ class EmbeddingEngine:
         """Pool given rows [U, D] of any float dtype (e.g. rows received from their owners)."""
         rows = rows.to(torch.float32).contiguous()
         own = torch.arange(len(rows), device=self.device)
-        none = torch.empty(0, rows.shape[1], device=self.device)
-        return self._pool(rows, own, none, own, 0, inverse, offsets, per_sample_weights, mean)
+        return self._pool(rows, own, own, 0, inverse, offsets, per_sample_weights, mean)
 
     def row_gradients(
         self, unique_count, inverse, offsets, per_sample_weights, mean, grad_output
     ) -> torch.Tensor:
         """Each distinct id's gradient [U, D], summed exactly as ``update`` sums it."""
         grad = torch.empty(unique_count, grad_output.shape[1], device=self.device)
-        starts, positions, bag_of = self._by_id(unique_count, inverse, offsets)
         launch(
-            _k_row_gradients, grad.numel(), device_array(starts), device_array(positions),
-            device_array(bag_of), device_array(offsets), device_array(self._scales(per_sample_weights)),
-            mean, device_array(grad_output.contiguous()), device_array(grad),
+            _k_row_gradients, grad.numel(), *self._by_id(unique_count, inverse, offsets), offsets,
+            self._scales(per_sample_weights), mean, grad_output.contiguous(), grad,
         )  # fmt: skip
         return grad
 
@@ -230,23 +239,10 @@ class EmbeddingEngine:
         if layout.dtype != torch.float32:
             rows = store.gather(unique, start=layout.weight_offset, width=layout.dim, initial=True)
             return self.pool_rows(rows, inverse, offsets, per_sample_weights, mean)
-        first = layout.weight_offset
         with store.reading():
             blocks = store.locate(unique)
-            missing = torch.nonzero(blocks == -1).flatten()
-            slot_of_missing = torch.full((len(unique),), -1, dtype=torch.int64, device=self.device)
-            slot_of_missing[missing] = torch.arange(len(missing), device=self.device)
-            initial = store.initial_rows(unique[missing])[:, first : first + layout.dim].contiguous()
             return self._pool(
-                store.rows,
-                blocks,
-                initial,
-                slot_of_missing,
-                first,
-                inverse,
-                offsets,
-                per_sample_weights,
-                mean,
+                store.rows, blocks, unique, layout.weight_offset, inverse, offsets, per_sample_weights, mean
             )
 
     def update(
@@ -265,9 +261,8 @@ class EmbeddingEngine:
         )  # fmt: skip
         grad = torch.empty(len(unique), self.weights.layout.dim, device=self.device)
         gradient = (
-            *(device_array(t) for t in self._by_id(len(unique), inverse, offsets)),
-            device_array(offsets), device_array(self._scales(per_sample_weights)), mean,
-            device_array(grad_output.contiguous()), device_array(grad),
+            *self._by_id(len(unique), inverse, offsets), offsets, self._scales(per_sample_weights), mean,
+            grad_output.contiguous(), grad,
         )  # fmt: skip
         weights, state = self.weights, self.state
         with ExitStack() as locks:
@@ -279,10 +274,9 @@ class EmbeddingEngine:
             if weights.layout.dtype == torch.float32:
                 holder = state if state is not None else weights
                 launch(
-                    _k_update, len(unique), device_array(weights.rows), device_array(weights.rows.view(torch.int64)),
-                    device_array(blocks), weights.layout.weight_offset, device_array(holder.rows),
-                    device_array(holder.rows.view(torch.int64)), device_array(state_blocks), self.state_start,
-                    state is not None, self.rule, *gradient, *scalars,
+                    _k_update, len(unique), weights.rows, weights.rows.view(torch.int64), blocks,
+                    weights.layout.weight_offset, holder.rows, holder.rows.view(torch.int64), state_blocks,
+                    self.state_start, state is not None, self.rule, *gradient, *scalars, lanes=WARP,
                 )  # fmt: skip
             else:
                 self._update_widened(blocks, state_blocks, gradient, scalars)
@@ -305,8 +299,7 @@ class EmbeddingEngine:
             target, target_words = state.rows, state.rows.view(torch.int64)
             target_blocks, target_start = state_blocks, self.state_start
         launch(
-            _k_update, len(blocks), device_array(wide.values), device_array(wide.header), device_array(own), 0,
-            device_array(target), device_array(target_words), device_array(target_blocks), target_start,
-            state is not None, self.rule, *gradient, *scalars,
+            _k_update, len(blocks), wide.values, wide.header, own, 0, target, target_words, target_blocks,
+            target_start, state is not None, self.rule, *gradient, *scalars, lanes=WARP,
         )  # fmt: skip
         weights.write_blocks(blocks, wide.rounded_rows())

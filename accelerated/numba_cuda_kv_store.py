@@ -10,14 +10,19 @@ hash constants. The engine keeps, on its device,
 - one pool tensor of rows that grows by an eighth (in whole 1024-row steps), with a
   last-in-first-out free list (``RowPool``, shared with the torch engine).
 
-A batch of new ids is placed by rounds of bidding, so the table does not depend on
-thread order: every pending id bids for its current slot with ``cuda.atomic.max``; the
-largest bidder for a free slot takes it (the no-bid sentinel is -1, which no id equals), the others move one slot on. Lookups,
-gathers, scatters, whole-row writes, metadata, key listing, deletes and the eviction
-decision are kernels; sorting and deduplicating ids are torch ops on the same device.
-Kernels move rows as raw words (int64 headers, element-wide columns), so they never
-depend on the row dtype. Ids and values are taken as CUDA tensors through
-``__cuda_array_interface__`` (no copies), and results are torch CUDA tensors.
+A batch of new ids is placed in one kernel: each new id gets its block from its rank
+among the batch's new ids (so blocks do not depend on thread order), then claims the
+first free slot of its probe by compare-and-swap; losing a race only moves it on. Which
+slot an id lands in may depend on thread order; no result does. Lookups, gathers (with
+the initial weights of missing ids computed in the kernel), scatters, whole-row writes,
+metadata, key listing, deletes and the eviction decision are kernels; sorting and
+deduplicating ids are torch ops on the same device. Every kernel starts through
+``launch`` (the tensors' device, torch's current stream there), and every wait for a
+device value through ``host_read``: a ``get`` waits for none, a ``set`` for two (the
+distinct ids, and how many are new). Kernels move rows as raw words (int64 headers,
+element-wide columns), so they never depend on the row dtype. Ids and values are taken
+as CUDA tensors through ``__cuda_array_interface__`` (no copies), and results are torch
+CUDA tensors.
 
 Under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is
 imported) the same kernels run on the CPU over tensors in host memory: the engine then
@@ -35,26 +40,23 @@ import threading
 import numpy as np
 import torch
 
+from leanstate._host_reads import host_read
 from leanstate.accelerated._numba_cuda_kv_kernels import (
     EMPTY,
+    KINDS,
     MIN_SLOTS,
-    NO_BID,
     SIMULATED,
     U64,
-    USED,
-    device_array,
-    k_bid,
     k_doomed,
     k_gather,
-    k_initial_weights,
+    k_initial_rows,
     k_live,
     k_lookup,
     k_metadata,
+    k_place,
     k_put,
     k_remove,
-    k_settle,
     k_stamp,
-    k_start,
     k_write_columns,
     k_write_rows,
     launch,
@@ -62,7 +64,7 @@ from leanstate.accelerated._numba_cuda_kv_kernels import (
 from leanstate.accelerated._numba_cuda_kv_kernels import unavailable as unavailable  # the registry asks here
 from leanstate.accelerated._row_pool import RowPool, last_occurrences
 from leanstate.reference.hashing import SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
-from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words
+from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
 DEVICES = ("cpu",) if SIMULATED else ("cuda",)
 AUTO_PRIORITY = {"cuda": 25}  # after the torch engine until the GPU bench says otherwise
@@ -103,21 +105,24 @@ class KVStoreEngine:
         self.lock = threading.RLock()
         self._table_keys = torch.full((MIN_SLOTS,), EMPTY, dtype=torch.int64, device=self.device)
         self._table_blocks = torch.full((MIN_SLOTS,), -1, dtype=torch.int64, device=self.device)
-        self._bids = torch.full((MIN_SLOTS,), int(NO_BID), dtype=torch.int64, device=self.device)
-        self._tombstones = 0
+        self._tombstones = 0  # an upper bound: a placement may reuse one without telling the host
         self._rows = 0
         self._pool = RowPool(layout, self.device)
-        self._seeded = _host_splitmix64(seed)
         low, high = init_range
-        self._low = np.float32(low)
-        self._span = np.float32(np.float32(high) - np.float32(low))
+        #: (seeded, span, low): what ``initial_weight`` takes to compute initial weights in a kernel
+        self.initial_scalars = (
+            _host_splitmix64(seed),
+            np.float32(np.float32(high) - np.float32(low)),
+            np.float32(low),
+        )
+        self._initial = (layout.weight_offset, layout.dim, *self.initial_scalars, KINDS[layout.dtype])
 
     def __len__(self) -> int:
         return self._rows
 
     def memory_bytes(self) -> int:
-        """The pool, the free list and the table (keys, blocks, bids), in bytes."""
-        tables = (self._table_keys, self._table_blocks, self._bids)
+        """The pool, the free list and the table (keys, blocks), in bytes."""
+        tables = (self._table_keys, self._table_blocks)
         return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables)
 
     def reserve(self, rows: int) -> None:
@@ -130,36 +135,8 @@ class KVStoreEngine:
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(len(ids), dtype=torch.int64, device=self.device)
-        launch(
-            k_lookup,
-            len(ids),
-            device_array(self._table_keys),
-            device_array(self._table_blocks),
-            device_array(ids),
-            device_array(out),
-        )
+        launch(k_lookup, len(ids), self._table_keys, self._table_blocks, ids, out)
         return out
-
-    def _place(self, keys: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Put distinct absent ``keys`` in the table: rounds of bids, largest id first."""
-        n = len(keys)
-        position = torch.empty(n, dtype=torch.int64, device=self.device)
-        placed = torch.zeros(n, dtype=torch.bool, device=self.device)
-        counters = torch.zeros(2, dtype=torch.int64, device=self.device)  # reused, pending
-        table = (device_array(self._table_keys), device_array(self._table_blocks))
-        launch(k_start, n, table[0], device_array(keys), device_array(position))
-        bids, where, ids = device_array(self._bids), device_array(position), device_array(keys)
-        done = device_array(placed)
-        while n:
-            counters[1] = 0
-            launch(k_bid, n, table[0], bids, where, ids, done)
-            launch(
-                k_settle, n, *table, bids, where, ids, device_array(blocks), done,
-                device_array(counters[:1]), device_array(counters[1:]),
-            )  # fmt: skip
-            if int(counters[1]) == 0:  # one sync per probe step, never per id
-                break
-        self._tombstones -= int(counters[0])
 
     def _fit_table(self, rows: int) -> None:
         """Rebuild the table, larger if needed, when rows and tombstones would pass half of it."""
@@ -171,19 +148,18 @@ class KVStoreEngine:
         keys, blocks = self._live()
         self._table_keys = torch.full((capacity,), EMPTY, dtype=torch.int64, device=self.device)
         self._table_blocks = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        self._bids = torch.full((capacity,), int(NO_BID), dtype=torch.int64, device=self.device)
         self._tombstones = 0
-        self._place(keys, blocks)
+        missing = torch.full_like(keys, -1)
+        rank = torch.arange(len(keys), device=self.device)
+        launch(k_place, len(keys), self._table_keys, self._table_blocks, keys, missing, rank, blocks,
+               torch.empty_like(blocks))  # fmt: skip
 
     def _live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, blocks) of every row, in table order."""
         keys = torch.empty(self._rows, dtype=torch.int64, device=self.device)
         blocks = torch.empty(self._rows, dtype=torch.int64, device=self.device)
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        launch(
-            k_live, len(self._table_keys), device_array(self._table_keys), device_array(self._table_blocks),
-            device_array(keys), device_array(blocks), device_array(count),
-        )  # fmt: skip
+        launch(k_live, len(self._table_keys), self._table_keys, self._table_blocks, keys, blocks, count)
         return keys, blocks
 
     def _sorted_live(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,28 +167,13 @@ class KVStoreEngine:
         keys, order = torch.sort(keys)
         return keys, blocks[order]
 
-    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """Blocks for distinct absent keys, holding their initial rows and header (key, used)."""
-        self._fit_table(self._rows + len(keys))
-        blocks = self._pool.allocate(len(keys))
-        self._place(keys, blocks)
-        self._rows += len(keys)
-        rows = self.initial_rows(keys)
-        header_words(rows)[:, 1] = USED
-        self.write_blocks(blocks, rows)
-        return blocks
-
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
-        layout = self.layout
-        weights = torch.empty(len(ids), layout.dim, dtype=torch.float32, device=self.device)
-        launch(
-            k_initial_weights, len(ids) * layout.dim, device_array(ids), self._seeded, self._span,
-            self._low, device_array(weights),
-        )  # fmt: skip
-        rows = torch.zeros(len(ids), layout.width, dtype=layout.dtype, device=self.device)
-        rows[:, layout.weight_offset : layout.weight_offset + layout.dim] = weights.to(layout.dtype)
-        header_words(rows)[:, 0] = ids
+        rows = torch.zeros(len(ids), self.layout.width, dtype=self.layout.dtype, device=self.device)
+        where = torch.arange(len(ids), device=self.device)
+        launch(k_initial_rows, rows.numel(), elements(rows), rows.view(torch.int64), where, ids,
+               torch.full_like(where, -1), *self._initial)  # fmt: skip
+        rows.view(torch.int64)[:, 1] = 0
         return rows
 
     # -- row access (spec/backends.md) ------------------------------------------------
@@ -230,32 +191,46 @@ class KVStoreEngine:
 
     def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
         """Block of each id, -1 missing, -2 negative; ``insert=True`` inserts the missing
-        (distinct, non-negative) ids with their initial rows, header ``(key, used)``."""
-        blocks = self._lookup(ids)
-        if insert:
-            missing = torch.nonzero(blocks == -1).flatten()
-            if len(missing):
-                blocks[missing] = self._insert(ids[missing])
+        (distinct, non-negative) ids with their initial rows, header ``(key, used)``.
+
+        An insert waits for the device once (how many ids are new), however many there
+        are; a lookup not at all."""
+        found = self._lookup(ids)
+        if not insert or not len(ids):
+            return found
+        missing = found == -1
+        rank = torch.cumsum(missing, 0) - 1
+        new = host_read(int, rank[-1]) + 1
+        if not new:
+            return found
+        self._fit_table(self._rows + new)
+        fresh = self._pool.allocate(new)
+        blocks = torch.empty_like(found)
+        launch(k_place, len(ids), self._table_keys, self._table_blocks, ids, found, rank, fresh, blocks)
+        self._rows += new
+        rows = self.rows
+        launch(k_initial_rows, len(ids) * self.layout.width, elements(rows), rows.view(torch.int64), blocks,
+               ids, found, *self._initial)  # fmt: skip
         return blocks
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Whole rows (a copy) of present blocks."""
         out = torch.empty(len(blocks), self.layout.width, dtype=self.layout.dtype, device=self.device)
-        launch(k_gather, out.numel(), device_array(elements(self.rows)), device_array(blocks), 0,
-               device_array(elements(out)))  # fmt: skip
+        launch(k_gather, out.numel(), elements(self.rows), blocks, blocks, 0, False, *self._initial,
+               elements(out))  # fmt: skip
         return out
 
     def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole rows written at present, distinct blocks."""
-        launch(k_put, rows.numel(), device_array(elements(self.rows)), device_array(blocks),
-               device_array(elements(rows.contiguous())))  # fmt: skip
+        launch(k_put, rows.numel(), elements(self.rows), blocks, elements(rows.contiguous()))
 
     # -- reads -----------------------------------------------------------------------
 
     def gather(
         self, ids: torch.Tensor, *, start: int, width: int, initial: bool, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Columns ``[start, start + width)``; a missing id its initial row or zeros, a negative one zeros."""
+        """Columns ``[start, start + width)``; a missing id its initial row or zeros, a negative
+        one zeros. One lookup and one gather kernel: the host waits for nothing."""
         result = (
             out
             if out is not None
@@ -263,12 +238,8 @@ class KVStoreEngine:
         )
         with self.lock:
             blocks = self._lookup(ids)
-            launch(k_gather, len(ids) * width, device_array(elements(self.rows)), device_array(blocks), start,
-                   device_array(elements(result)))  # fmt: skip
-        if initial and width:
-            missing = torch.nonzero(blocks == -1).flatten()
-            if len(missing):
-                result[missing] = self.initial_rows(ids[missing])[:, start : start + width]
+            launch(k_gather, len(ids) * width, elements(self.rows), blocks, ids, start, initial,
+                   *self._initial, elements(result))  # fmt: skip
         return result
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
@@ -280,9 +251,7 @@ class KVStoreEngine:
         """Eviction metadata word of each id (0 when missing)."""
         out = torch.empty(len(ids), dtype=torch.int64, device=self.device)
         with self.lock:
-            blocks = self._lookup(ids)
-            launch(k_metadata, len(ids), device_array(self.rows.view(torch.int64)), device_array(blocks),
-                   device_array(out))  # fmt: skip
+            launch(k_metadata, len(ids), self.rows.view(torch.int64), self._lookup(ids), out)
         return out
 
     def keys(self) -> torch.Tensor:
@@ -293,37 +262,32 @@ class KVStoreEngine:
     # -- writes ----------------------------------------------------------------------
 
     def scatter(self, ids: torch.Tensor, values: torch.Tensor, *, start: int, now: int) -> None:
-        """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``."""
-        kept = torch.nonzero(ids >= 0).flatten()
-        unique, last, occurrences, _ = last_occurrences(ids[kept])
+        """``set``: last occurrence wins; count += occurrences (saturating), stamped ``now``;
+        negative ids skipped. Two waits for the device: the distinct ids, and how many are new."""
+        unique, last, occurrences, _ = host_read(last_occurrences, ids)
         with self.lock:
-            blocks = self.locate(unique, insert=True)
-            launch(
-                k_write_columns, len(unique) * values.shape[1], device_array(elements(self.rows)),
-                device_array(blocks), device_array(kept[last]), device_array(elements(values)), start,
-            )  # fmt: skip
-            launch(k_stamp, len(unique), device_array(self.rows.view(torch.int64)), device_array(blocks),
-                   device_array(occurrences), now)  # fmt: skip
+            blocks = self.locate(unique, insert=True)  # negative ids stay -2 and are skipped
+            launch(k_write_columns, len(unique) * values.shape[1], elements(self.rows), blocks, last,
+                   elements(values), start)  # fmt: skip
+            launch(k_stamp, len(unique), self.rows.view(torch.int64), blocks, occurrences, now)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
         words = rows.view(torch.int64)
-        unique, last, _, _ = last_occurrences(words[:, 0].contiguous())
+        unique, last, _, _ = host_read(last_occurrences, words[:, 0].contiguous())
         with self.lock:
             blocks = self.locate(unique, insert=True)
-            launch(k_write_rows, len(unique) * words.shape[1], device_array(self.rows.view(torch.int64)),
-                   device_array(blocks), device_array(last), device_array(words))  # fmt: skip
+            launch(
+                k_write_rows, len(unique) * words.shape[1], self.rows.view(torch.int64), blocks, last, words
+            )
 
     def _remove(self, keys: torch.Tensor) -> int:
         """Delete distinct non-negative keys: zero and free their blocks; how many were present."""
         freed = torch.empty(len(keys), dtype=torch.int64, device=self.device)
         removed = torch.zeros(1, dtype=torch.int64, device=self.device)
-        launch(
-            k_remove, len(keys), device_array(self._table_keys), device_array(self._table_blocks),
-            device_array(self.rows.view(torch.int64)), device_array(keys), device_array(freed),
-            device_array(removed),
-        )  # fmt: skip
-        count = int(removed)
+        launch(k_remove, len(keys), self._table_keys, self._table_blocks, self.rows.view(torch.int64), keys,
+               freed, removed)  # fmt: skip
+        count = host_read(int, removed[0])
         # the threads listed the freed blocks in any order: sorted, reuse is the same every run
         self._pool.release(torch.sort(freed[:count]).values)
         self._tombstones += count
@@ -332,9 +296,9 @@ class KVStoreEngine:
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones ignored); the count removed."""
-        unique = torch.unique(ids)
+        unique = host_read(torch.unique, ids)
         with self.lock:
-            return self._remove(unique[unique >= 0])
+            return self._remove(unique[host_read(int, (unique < 0).sum()) :])  # negatives sort first
 
     def evict(
         self,
@@ -359,13 +323,12 @@ class KVStoreEngine:
                 norms = torch.zeros(len(keys), device=self.device)
             doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
             launch(
-                k_doomed, len(keys), device_array(words), device_array(blocks),
-                -1 if min_count is None else min_count, -1 if max_age_s is None else max_age_s, now,
-                device_array(norms), np.float32(-1.0 if min_l2_norm is None else min_l2_norm),
-                device_array(doomed),
+                k_doomed, len(keys), words, blocks, -1 if min_count is None else min_count,
+                -1 if max_age_s is None else max_age_s, now, norms,
+                np.float32(-1.0 if min_l2_norm is None else min_l2_norm), doomed,
             )  # fmt: skip
             if max_rows is not None:
-                survivors = torch.nonzero(~doomed).flatten()
+                survivors = host_read(torch.nonzero, ~doomed).flatten()
                 excess = len(survivors) - max_rows
                 if excess > 0:  # fewest writes, then oldest, then smallest id (keys ascend)
                     meta = words[blocks[survivors], 1]
@@ -373,7 +336,7 @@ class KVStoreEngine:
                     by_stamp = torch.argsort(stamps, stable=True)
                     ranked = by_stamp[torch.argsort(counts[by_stamp], stable=True)]
                     doomed[survivors[ranked[:excess]]] = True
-            victims = keys[doomed]
+            victims = host_read(torch.masked_select, keys, doomed)
             self._remove(victims)
             return victims
 

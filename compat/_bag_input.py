@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from leanstate._host_reads import host_read
+
 
 def check_ids(ids: object) -> torch.Tensor:
     """``ids`` if it is a dense int64 tensor, else a ``TypeError`` saying how to fix it."""
@@ -80,22 +82,8 @@ def checked_batch(
     else:
         raise ValueError(f"KVEmbeddingBag: input must be 1-D or 2-D; got {ids.dim()}-D")
     ids, offsets = ids.to(device).contiguous(), offsets.to(device, torch.int64)
-    # one check, so one host sync on a device: start at 0, never decrease, end within the input
-    if len(offsets) and bool((offsets[0] != 0) | (torch.diff(offsets) < 0).any() | (offsets[-1] > len(ids))):
-        raise ValueError(
-            f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
-            f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
-        )
     if not len(offsets) and len(ids):
         raise ValueError(f"KVEmbeddingBag: offsets is empty but input holds {len(ids)} ids")
-    if num_embeddings is not None and len(ids):
-        outside = ids >= num_embeddings
-        if bool(outside.any()):
-            bad = int(ids[outside][0])
-            raise ValueError(
-                f"KVEmbeddingBag: id {bad} is outside [0, num_embeddings={num_embeddings}); "
-                "pass num_embeddings=None for hashed ids (negative ids are padding)"
-            )
     if per_sample_weights is not None:
         if mode != "sum":
             raise ValueError("KVEmbeddingBag: per_sample_weights is only supported with mode='sum'")
@@ -106,3 +94,37 @@ def checked_batch(
         # not detached: the weights' gradient (the rows of their ids) flows back to the caller
         per_sample_weights = per_sample_weights.to(device, torch.float32).contiguous()
     return ids, offsets, per_sample_weights
+
+
+def batch_summary(ids: torch.Tensor, offsets: torch.Tensor, *, num_embeddings: int | None) -> int:
+    """The padding ids in the batch, after checking the values of ``ids`` and ``offsets``
+    (start at 0, never decrease, end within the input; ids below ``num_embeddings``).
+
+    Every value check and the padding count come back from the device in one read: on a
+    GPU that is one wait per batch, not one per check."""
+    if not len(ids) and not len(offsets):
+        return 0
+    nothing = torch.zeros((), dtype=torch.bool, device=ids.device)
+    bad_offsets = (
+        (offsets[0] != 0) | (torch.diff(offsets) < 0).any() | (offsets[-1] > len(ids))
+        if len(offsets)
+        else nothing
+    )
+    outside = ids >= num_embeddings if num_embeddings is not None else torch.zeros_like(ids, dtype=torch.bool)
+    # the first id outside the range, or -1: argmax finds the first True of a bool
+    first_outside = torch.where(outside.any(), torch.argmax(outside.to(torch.uint8)), -1) if len(ids) else -1
+    summary = torch.stack(
+        [bad_offsets.to(torch.int64), torch.as_tensor(first_outside, device=ids.device), (ids < 0).sum()]
+    )
+    offsets_wrong, outside_at, padding = host_read(summary.tolist)
+    if offsets_wrong:
+        raise ValueError(
+            f"KVEmbeddingBag: offsets must start at 0, never decrease and stay <= len(input)={len(ids)}; "
+            f"got {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''}"
+        )
+    if outside_at >= 0:
+        raise ValueError(
+            f"KVEmbeddingBag: id {int(ids[outside_at])} is outside [0, num_embeddings={num_embeddings}); "
+            "pass num_embeddings=None for hashed ids (negative ids are padding)"
+        )
+    return padding

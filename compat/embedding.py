@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from leanstate import _backends
-from leanstate._bag_input import checked_batch
+from leanstate._bag_input import batch_summary, checked_batch
 from leanstate._collection import TableCollection
+from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
 from leanstate._torchrec_shapes import KeyedJaggedTensor, KeyedTensor, KVTableConfig, table_inputs
 from leanstate.kv_store import KVStore
@@ -297,19 +298,18 @@ class KVEmbeddingBag(nn.Module):
             num_embeddings=self.num_embeddings,
             mode=self.mode,
         )
+        padding = batch_summary(ids, offsets, num_embeddings=self.num_embeddings)
         device = ids.device
         ends = torch.cat([offsets, torch.tensor([len(ids)], device=device)])
-        keep = ids >= 0
-        padding = len(ids) - int(keep.sum())
-        if padding:
-            positions = torch.arange(len(offsets), device=device)
-            bag_of = torch.repeat_interleave(positions, torch.diff(ends), output_size=len(ids))
-            kept = torch.bincount(bag_of[keep], minlength=len(offsets))
-            ends = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(kept, 0)])
-            ids = ids[keep]
+        if padding:  # drop the padding without waiting for the device again: sizes are known
+            keep = ids >= 0
+            kept_before = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(keep, 0)])
+            ends = kept_before[ends]
+            kept = torch.argsort(~keep, stable=True)[: len(ids) - padding]
+            ids = ids[kept]
             if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights[keep]
-        unique, inverse = torch.unique(ids, return_inverse=True)
+                per_sample_weights = per_sample_weights[kept]
+        unique, inverse = host_read(torch.unique, ids, return_inverse=True)
         self.stats["batches"] += 1
         self.stats["ids"] += len(ids) + padding
         self.stats["padding_ids"] += padding

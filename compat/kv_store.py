@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
+from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
@@ -109,6 +110,9 @@ class KVStore:
                 f"KVStore: device={str(device)!r}: the {name} engine runs on {', '.join(module.DEVICES)}; "
                 f"pass another device or backend"
             )
+        if device.type == "cuda" and device.index is None:
+            # one spelling per device: results, out= checks and kernel launches all compare it
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.layout = layout
         self.num_shards = num_shards
@@ -361,8 +365,11 @@ class KVStore:
         method = "KVStore.set_rows"
         rows = self._check_values(method, "rows", rows, None, self.layout.width, exact=True)
         keys = header_words(rows)[:, 0]
-        if (keys < 0).any():
-            bad = int(torch.nonzero(keys < 0)[0])
+        bad = -1
+        if len(keys):  # the first negative key, or -1: one read
+            negative = keys < 0
+            bad = host_read(int, torch.where(negative.any(), torch.argmax(negative.to(torch.uint8)), -1))
+        if bad >= 0:
             raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
         self._engine.write_rows(rows)
 

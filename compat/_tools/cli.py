@@ -31,9 +31,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
-    from leanstate._tools.gpu_check import run
+    import dataclasses
 
-    return run(Path(args.out), rows=args.rows, batch=args.batch)
+    from leanstate._tools.gpu_check import GPU_SIZES, SIMULATED_SIZES, run
+
+    sizes = SIMULATED_SIZES if args.simulate else GPU_SIZES
+    chosen = {name: value for name, value in (("rows", args.rows), ("batch", args.batch)) if value}
+    return run(Path(args.out), simulate=args.simulate, sizes=dataclasses.replace(sizes, **chosen))
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -165,11 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--force", action="store_true", help="replace the target if it exists")
     convert.set_defaults(run=_convert)
     gpu = commands.add_parser(
-        "gpu-check", help="the gpu-marked tests and the GPU bench (needs a CUDA device)"
+        "gpu-check", help="the GPU bench and the gpu-marked tests (needs a CUDA device, or --simulate)"
     )
     gpu.add_argument("--out", default="gpu-check", help="folder for the bench table and the test report")
-    gpu.add_argument("--rows", type=int, default=2**23, help="rows in each device store")
-    gpu.add_argument("--batch", type=int, default=2**20, help="ids per batch")
+    gpu.add_argument("--rows", type=int, default=None, help="rows in each device store (default 2**22)")
+    gpu.add_argument("--batch", type=int, default=None, help="ids per batch (default 2**20)")
+    gpu.add_argument(
+        "--simulate", action="store_true", help="run the same script in numba's CUDA simulator, at tiny sizes"
+    )
     gpu.set_defaults(run=_gpu_check)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -92,11 +92,16 @@ def test_device_bag_trains_like_the_reference(backend, optimizer, dtype):
     rows = [bag.store.get_rows(keys.to(bag.device)).cpu() for bag in bags]
     if backend == "numba-cuda":  # fixed summation order, no contraction: the reference's bits
         assert same_bits(rows[0], rows[1])
-    else:  # torch's index_add_ on CUDA adds repeated ids in no fixed order
-        first = bags[1].store.layout.weight_offset
+    else:  # torch's index_add_ on CUDA adds repeated ids in no fixed order: values, field by field
+        layout = bags[1].store.layout
+        weights = slice(layout.weight_offset, layout.weight_offset + layout.dim)
+        state = slice(layout.state_offset, layout.width)  # float32 values stored as row elements
+        assert same_bits(rows[0][:, : layout.weight_offset], rows[1][:, : layout.weight_offset])
         torch.testing.assert_close(
-            rows[0][:, first:].float(), rows[1][:, first:].float(), rtol=1e-3, atol=1e-5
+            rows[0][:, weights].float(), rows[1][:, weights].float(), rtol=1e-2, atol=1e-4
         )
+        fields = [r[:, state].contiguous().view(torch.float32) for r in rows]
+        torch.testing.assert_close(fields[0], fields[1], rtol=1e-3, atol=1e-6)
 
 
 def _syncs(fn) -> int:
@@ -114,15 +119,17 @@ def _syncs(fn) -> int:
 @pytest.mark.parametrize("backend", BAGS)
 def test_host_syncs_per_batch_do_not_grow_with_the_batch(backend):
     bag = leanstate.KVEmbeddingBag(None, 32, optimizer="rowwise_adagrad", device=CUDA, backend=backend)
-    counts = {}
+    counts, first = {}, 0
     for batch in (256, 16_384):
-        ids = torch.randint(0, 10**6, (batch * 10,), device=CUDA)
-        offsets = torch.arange(0, batch * 10, 10, device=CUDA)
-        bag(ids, offsets).sum().backward()  # warm: the store's table and pool are sized
-        counts[batch] = _syncs(lambda ids=ids, offsets=offsets: bag(ids, offsets).sum().backward())
+        for _ in range(2):  # the first step warms the kernels; every step brings new ids
+            ids = torch.arange(first, first + batch * 10, device=CUDA)
+            first += batch * 10
+            offsets = torch.arange(0, batch * 10, 10, device=CUDA)
+            counts[batch] = _syncs(lambda ids=ids, offsets=offsets: bag(ids, offsets).sum().backward())
     record(f"host syncs per training step ({backend})", counts)
-    assert counts[256] == counts[16_384]  # a fixed handful per step, never one per id
-    assert counts[16_384] < 64
+    assert counts[256] == counts[16_384]  # a fixed handful per step, never one per id or probe
+    if backend == "numba-cuda":
+        assert counts[16_384] <= 4
 
 
 class _CopyStreams(TorchFunctionMode):

@@ -13,6 +13,7 @@ import torch
 import leanstate
 from leanstate import _backends
 from leanstate.reference.hashing import initial_weights
+from tests.harness import FakeClock
 
 pytestmark = pytest.mark.cudasim
 
@@ -29,17 +30,23 @@ def test_the_engine_runs_in_the_simulator_on_host_tensors():
     assert "numba-cuda" in leanstate.backend_info().registered["embedding"]
 
 
-def test_placement_does_not_depend_on_the_order_of_a_batch():
+def test_what_a_batch_stores_does_not_depend_on_its_order():
     ids = torch.randperm(3000, generator=torch.Generator().manual_seed(0))[:300]
-    tables = []
+    values = torch.randn(300, 4, generator=torch.Generator().manual_seed(1))
+    results = []
     for order in (torch.arange(300), torch.arange(299, -1, -1), torch.randperm(300)):
-        store = leanstate.KVStore(4, backend="numba-cuda")
-        store.reserve(300)  # one table size for every run: the bids alone decide the slots
-        store.set(ids[order], torch.zeros(300, 4))
-        tables.append(store.engine._table_keys.clone())
-    assert torch.equal(tables[0], tables[1]) and torch.equal(tables[0], tables[2])
-    # the smallest id wins a contested slot: no id sits before its home while a larger one holds it
-    assert int((tables[0] >= 0).sum()) == 300
+        store = leanstate.KVStore(4, backend="numba-cuda", clock=FakeClock(9))
+        store.reserve(300)
+        store.set(ids[order], values[order])
+        table_keys = store.engine._table_keys
+        blocks = store.engine.locate(torch.sort(ids).values)
+        results.append((store.keys(), store.get_rows(ids), blocks, int((table_keys >= 0).sum())))
+    for keys, rows, blocks, placed in results[1:]:
+        assert torch.equal(keys, results[0][0]) and torch.equal(
+            rows.view(torch.int32), results[0][1].view(torch.int32)
+        )
+        assert torch.equal(blocks, results[0][2])  # a new id's block is its rank among the new ids
+        assert placed == 300
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -60,7 +67,7 @@ def test_auto_on_a_cuda_machine_puts_the_gpu_engines_first(monkeypatch):
     assert "numba-cuda" not in _backends.auto_order("kv_store")  # never picked for the CPU
 
 
-def test_tombstones_are_reused_and_the_table_rebuilt():
+def test_deleted_slots_are_reused_or_cleared_by_a_rebuild():
     store = leanstate.KVStore(4, backend="numba-cuda")
     for round_ in range(6):
         ids = torch.arange(round_ * 40, round_ * 40 + 40)
