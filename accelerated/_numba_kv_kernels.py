@@ -189,6 +189,48 @@ def insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, handed
 
 
 @njit(nogil=True, cache=True)
+def adopt(table_keys, table_blocks, words, first, count, free, free_top):
+    """Index the rows written in place at blocks ``[first, first + count)`` by their header
+    keys, ``used`` set, in order; a key already present takes the row into its own block
+    (the later row wins) and the block it arrived in goes back zeroed to ``free``.
+
+    Returns (keys added, dead slots reused, free_top), or (-1 - k, 0, free_top) when the
+    key at position k is negative, before any key is placed."""
+    for k in range(count):
+        if words[first + k, 0] < 0:
+            return -1 - k, 0, free_top
+    mask = table_keys.shape[0] - 1
+    added = 0
+    reused = 0
+    for k in range(min(count, AHEAD)):
+        prefetch_home(table_keys, table_blocks, words[first + k, 0], mask)
+    for k in range(count):
+        # the table is far bigger than the caches: start loading a later key's slot now
+        if k + AHEAD < count:
+            prefetch_home(table_keys, table_blocks, words[first + k + AHEAD, 0], mask)
+        b = first + k
+        key = words[b, 0]
+        words[b, 1] |= USED
+        found = probe(table_keys, table_blocks, key)
+        if found < 0:
+            if place(table_keys, table_blocks, key, b):
+                reused += 1
+            added += 1
+        else:
+            words[found, :] = words[b, :]
+            words[b, :] = 0
+            free[free_top] = b
+            free_top += 1
+    return added, reused, free_top
+
+
+@njit(nogil=True, cache=True)
+def zero_rows(words, first, count):
+    for b in range(first, first + count):
+        words[b, :] = 0
+
+
+@njit(nogil=True, cache=True)
 def init_fresh(words, ids, blocks, fresh):
     """Header (key, used) of each freshly inserted row; the rest keeps the pool's zeros.
 

@@ -46,6 +46,7 @@ from leanstate.accelerated import _host_buffers
 from leanstate.accelerated._numba_kv_kernels import (
     EMPTY,
     U64,
+    adopt,
     gather_metadata,
     init_fresh,
     initial_weights,
@@ -59,6 +60,7 @@ from leanstate.accelerated._numba_kv_kernels import (
     remove,
     write_columns,
     write_rows,
+    zero_rows,
 )
 from leanstate.accelerated._pages import populate
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
@@ -286,6 +288,54 @@ class KVStoreEngine:
             populate(self._map, first, last, touch=True)
             self._faulted_to = max(self._faulted_to, last)
 
+    # -- rows read in place (a checkpoint load; call with the write lock held) --------
+
+    def claim(self, rows: int) -> int:
+        """The first of ``rows`` fresh, zero blocks now owned by the caller: in no table,
+        on no free list, mapped but not faulted in (the caller's ``readinto`` faults them,
+        on huge pages for a bulk claim). Write whole rows there through ``rows``, then
+        :meth:`adopt` them or :meth:`abandon` them."""
+        self._reserve(rows + self.free_top, ahead=False)
+        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        first = self.handed_out
+        self.handed_out += rows
+        return first
+
+    def adopt(self, first: int, count: int) -> None:
+        """Index claimed blocks ``[first, first + count)`` by the keys in their headers, as
+        ``set_rows`` of those rows would (timestamp and count kept, ``used`` set, a later
+        row wins over a present one). A negative key raises ``ValueError`` and adopts none.
+        The table was sized for them by :meth:`claim`; nothing here moves the pool."""
+        self._free_room(count)
+        added, reused, self.free_top = adopt(
+            self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top
+        )
+        if added < 0:
+            bad = -1 - added
+            raise ValueError(
+                f"row {first + bad} read in place has a negative key {int(self.words[first + bad, 0])}"
+            )
+        self.size += added
+        self.dead -= reused
+
+    def abandon(self, first: int, count: int) -> None:
+        """Give back claimed blocks ``[first, first + count)`` never adopted: zeroed, freed."""
+        zero_rows(self.words, first, count)
+        if first + count == self.handed_out:
+            self.handed_out = first
+            return
+        self._free_room(count)
+        self.free[self.free_top : self.free_top + count] = np.arange(first + count - 1, first - 1, -1)
+        self.free_top += count
+
+    def _free_room(self, count: int) -> None:
+        """Room on the free list for ``count`` more blocks."""
+        if self.free_top + count > len(self.free):
+            grown = np.empty(max(2 * len(self.free), self.free_top + count), dtype=np.int32)
+            grown[: self.free_top] = self.free[: self.free_top]
+            self.free = grown
+
     # -- helpers -------------------------------------------------------------------
 
     def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
@@ -448,10 +498,7 @@ class KVStoreEngine:
             return self._delete(ids.numpy())
 
     def _delete(self, ids: np.ndarray) -> int:
-        if self.free_top + len(ids) > len(self.free):
-            grown = np.empty(max(2 * len(self.free), self.free_top + len(ids)), dtype=np.int32)
-            grown[: self.free_top] = self.free[: self.free_top]
-            self.free = grown
+        self._free_room(len(ids))
         removed, self.free_top = remove(
             self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top
         )

@@ -10,15 +10,22 @@ next gather overlaps this write.
 
 Reading: :func:`chunk_slices` yields one chunk's bytes in slices of whole rows and
 checks, after the last, its checksum and the manifest's id range; ids must strictly
-ascend inside a chunk. :func:`read_chunks` runs it over a table's file.
+ascend inside a chunk. :func:`read_chunks` runs it over a table's file, optionally one
+slice ahead on a reader thread (``read``, CRC-32C and the torch checks release the
+GIL), so reading slice k+1 overlaps the caller's apply of slice k. :func:`read_in_place`
+reads a table straight into blocks an engine hands out (``ReadsInPlace``) and has the
+engine index them slice by slice: no staging copy, the read on its own thread.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -182,39 +189,65 @@ def write_store(
 # -- reading ------------------------------------------------------------------------------
 
 
+class _ChunkCheck:
+    """What a chunk's slices must show, slice by slice: strictly ascending non-negative
+    ids; then, after the last, the checksum and the manifest's id range."""
+
+    def __init__(self, where: str, chunk: dict, row_bytes: int, checksum: str) -> None:
+        self.where, self.chunk, self.row_bytes, self.checksum = where, chunk, row_bytes, checksum
+        self.update = CHECKSUMS[checksum]
+        self.crc, self.first_key, self.last_key = 0, None, -1
+
+    def add(self, view: memoryview, crc: int | None = None) -> None:
+        """One more slice; ``crc``: the chunk's running checksum through it, when the
+        reader already computed it (while the bytes were still in cache)."""
+        self.crc = self.update(view, self.crc) if crc is None else crc
+        keys = torch.frombuffer(view, dtype=torch.int64).view(-1, self.row_bytes // 8)[:, 0]
+        if bool((keys[1:] <= keys[:-1]).any()) or int(keys[0]) <= self.last_key:
+            raise CheckpointError(
+                f"{self.where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
+            )
+        self.first_key = int(keys[0]) if self.first_key is None else self.first_key
+        self.last_key = int(keys[-1])
+
+    def finish(self) -> None:
+        chunk = self.chunk
+        if self.crc != chunk["crc"]:
+            raise CheckpointError(
+                f"{self.where} fails its {self.checksum} check (checksum mismatch); the file is corrupt"
+            )
+        if (self.first_key, self.last_key) != (chunk["min_id"], chunk["max_id"]):
+            raise CheckpointError(
+                f"{self.where} holds ids {self.first_key}..{self.last_key}, "
+                f"the manifest says {chunk['min_id']}..{chunk['max_id']}"
+            )
+
+
 def chunk_slices(
-    f, where: str, chunk: dict, row_bytes: int, checksum: str, buffer: bytearray
+    f, where: str, chunk: dict, row_bytes: int, checksum: str, buffer: bytearray | Callable[[], bytearray]
 ) -> Iterator[memoryview]:
-    """Chunk ``chunk`` of the open file ``f`` in slices of whole rows that fill at most
-    ``buffer`` (each valid until the next is read).
+    """Chunk ``chunk`` of the open file ``f`` in slices of whole rows, each read into
+    ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
+    buffer is reused.
 
     Ids must strictly ascend across the chunk's slices; after the last slice the
     checksum and the manifest's ``min_id``/``max_id`` are checked. The first problem
     raises :class:`CheckpointError` naming ``where``.
     """
-    update = CHECKSUMS[checksum]
-    slice_rows = max(1, len(buffer) // row_bytes)
+    next_buffer = buffer if callable(buffer) else lambda: buffer
+    check = _ChunkCheck(where, chunk, row_bytes, checksum)
     f.seek(chunk["offset"])
-    crc, first_key, last_key = 0, None, -1
-    for first in range(0, chunk["rows"], slice_rows):
-        view = memoryview(buffer)[: min(slice_rows, chunk["rows"] - first) * row_bytes]
+    first = 0
+    while first < chunk["rows"]:
+        space = next_buffer()
+        rows = min(max(1, len(space) // row_bytes), chunk["rows"] - first)
+        view = memoryview(space)[: rows * row_bytes]
         if f.readinto(view) != len(view):
             raise CheckpointError(f"{where} is truncated")
-        crc = update(view, crc)
-        keys = torch.frombuffer(view, dtype=torch.int64).view(-1, row_bytes // 8)[:, 0]
-        if bool((keys[1:] <= keys[:-1]).any()) or int(keys[0]) <= last_key:
-            raise CheckpointError(
-                f"{where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
-            )
-        first_key = int(keys[0]) if first_key is None else first_key
-        last_key = int(keys[-1])
+        check.add(view)
+        first += rows
         yield view
-    if crc != chunk["crc"]:
-        raise CheckpointError(f"{where} fails its {checksum} check (checksum mismatch); the file is corrupt")
-    if (first_key, last_key) != (chunk["min_id"], chunk["max_id"]):
-        raise CheckpointError(
-            f"{where} holds ids {first_key}..{last_key}, the manifest says {chunk['min_id']}..{chunk['max_id']}"
-        )
+    check.finish()
 
 
 def open_data_file(path: Path, name: str, file_name: str, size: int):
@@ -239,18 +272,189 @@ def describe_chunk(name: str, file: Path, index: int, chunk: dict, row_bytes: in
 
 
 def read_chunks(
-    path: Path, name: str, table: dict, chunks: list[tuple[int, dict]], slice_bytes: int
+    path: Path,
+    name: str,
+    table: dict,
+    chunks: list[tuple[int, dict]],
+    slice_bytes: int,
+    *,
+    ahead: bool = False,
 ) -> Iterator[tuple[int, memoryview | None]]:
     """Yield (chunk index, bytes) for the listed chunks of a version-1 table, in slices of
     whole rows of at most ``slice_bytes``; after a chunk's last slice, ``(index, None)``
-    marks it verified. The slices share one buffer: each is valid until the next is read.
+    marks it verified. Each slice is valid until the next is asked for.
+
+    ``ahead``: a reader thread reads and checks the next slice while the caller holds
+    this one (two slice buffers; a problem is raised where it stands in the file, after
+    the slices before it). Stopping early stops the thread.
     """
     row_bytes = table["row_bytes"]
     slice_rows = max(1, slice_bytes // row_bytes)
-    buffer = bytearray(min(slice_rows, max((c["rows"] for _, c in chunks), default=0)) * row_bytes)
-    with open_data_file(path, name, table["file"], table["bytes"]) as f:
-        for index, chunk in chunks:
-            where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
-            for view in chunk_slices(f, where, chunk, row_bytes, table["checksum"], buffer):
-                yield index, view
-            yield index, None
+    size = min(slice_rows, max((c["rows"] for _, c in chunks), default=0)) * row_bytes
+
+    def produce(next_buffer: Callable[[], bytearray]) -> Iterator[tuple[int, memoryview | None]]:
+        with open_data_file(path, name, table["file"], table["bytes"]) as f:
+            for index, chunk in chunks:
+                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
+                for view in chunk_slices(f, where, chunk, row_bytes, table["checksum"], next_buffer):
+                    yield index, view
+                yield index, None
+
+    if not ahead:
+        buffer = bytearray(size)
+        yield from produce(lambda: buffer)
+        return
+    yield from _one_ahead(produce, [bytearray(size) for _ in range(2)])
+
+
+class _Stopped(Exception):
+    """The caller stopped reading: the reader thread ends quietly."""
+
+
+_DONE = object()
+
+
+def _on_a_thread(produce: Callable[[], Iterator], stop: threading.Event) -> Iterator:
+    """``produce()``'s items, produced on a thread and yielded here in order; what the
+    thread raises is raised here, after the items before it. Leaving early sets ``stop``
+    (``produce`` checks it) and waits for the thread."""
+    ready: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            for item in produce():
+                ready.put(item)
+        except _Stopped:
+            return
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
+            ready.put(error)
+            return
+        ready.put(_DONE)
+
+    thread = threading.Thread(target=run, name="leanstate-checkpoint-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _one_ahead(produce, buffers: list[bytearray]) -> Iterator:
+    """``produce(next_buffer)``'s items from a thread that fills one buffer ahead of the
+    caller: the caller hands back the buffer of the item it held when it asks for the next."""
+    free: queue.Queue = queue.Queue()
+    for buffer in buffers:
+        free.put(buffer)
+    stop = threading.Event()
+    filled: list[bytearray] = []  # the thread's buffers, in the order it filled them
+
+    def next_buffer() -> bytearray:
+        buffer = free.get()
+        if stop.is_set():
+            raise _Stopped
+        filled.append(buffer)
+        return buffer
+
+    def tagged() -> Iterator:
+        for index, view in produce(next_buffer):
+            yield index, view, filled.pop(0) if view is not None else None
+
+    items = _on_a_thread(tagged, stop)
+    held = None
+    try:
+        for index, view, buffer in items:
+            if held is not None:
+                free.put(held)
+            held = buffer
+            yield index, view
+    finally:
+        stop.set()
+        free.put(bytearray(0))  # wakes a thread waiting for a buffer: it sees ``stop`` and ends
+        items.close()  # then waits for the thread
+
+
+@runtime_checkable
+class ReadsInPlace(Protocol):
+    """An engine whose pool a checkpoint load reads into directly (the numba engine):
+    blocks claimed, written through ``rows``, then adopted by their header keys (see
+    ``spec/backends.md``). Called with ``writing()`` held."""
+
+    rows: torch.Tensor
+
+    def writing(self): ...
+
+    def claim(self, rows: int) -> int: ...
+
+    def adopt(self, first: int, count: int) -> None: ...
+
+    def abandon(self, first: int, count: int) -> None: ...
+
+
+def read_in_place(
+    path: Path,
+    name: str,
+    table: dict,
+    chunks: list[tuple[int, dict]],
+    engine: ReadsInPlace,
+    slice_bytes: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Read a table's listed chunks straight into blocks ``engine`` claims, and have it
+    adopt each slice once its ids check out: a reader thread reads slice k+1 while this
+    one checksums and adopts slice k. Every chunk is checked as :func:`chunk_slices`
+    checks it; on a problem the rows not yet adopted are given back and the error
+    raised (the rows adopted stay: the caller loads into empty stores and empties them).
+    ``progress(rows_done)`` after each chunk."""
+    row_bytes = table["row_bytes"]
+    slice_rows = max(1, slice_bytes // row_bytes)
+    total = sum(chunk["rows"] for _, chunk in chunks)
+    stop = threading.Event()
+    with engine.writing():
+        first = engine.claim(total)
+        pool = memoryview(engine.rows[first : first + total].view(torch.uint8).numpy()).cast("B")
+
+        update = CHECKSUMS[table["checksum"]]
+
+        def read() -> Iterator[tuple[int, dict, int, int, bool, int]]:
+            with open_data_file(path, name, table["file"], table["bytes"]) as f:
+                done = 0
+                for index, chunk in chunks:
+                    f.seek(chunk["offset"])
+                    crc = 0
+                    for start in range(0, chunk["rows"], slice_rows):
+                        rows = min(slice_rows, chunk["rows"] - start)
+                        space = pool[done * row_bytes : (done + rows) * row_bytes]
+                        complete = f.readinto(space) == len(space)
+                        crc = update(space, crc)  # while the slice is still in cache
+                        if stop.is_set():
+                            raise _Stopped
+                        yield index, chunk, done, rows, complete, crc
+                        done += rows
+
+        adopted, check, chunk_start = 0, None, 0
+        slices = _on_a_thread(read, stop)
+        try:
+            for index, chunk, at, rows, complete, crc in slices:
+                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
+                if check is None or check.chunk is not chunk:
+                    check, chunk_start = _ChunkCheck(where, chunk, row_bytes, table["checksum"]), at
+                if not complete:
+                    raise CheckpointError(f"{where} is truncated")
+                check.add(pool[at * row_bytes : (at + rows) * row_bytes], crc)
+                engine.adopt(first + at, rows)
+                adopted = at + rows
+                if adopted == chunk_start + chunk["rows"]:
+                    check.finish()
+                    if progress is not None:
+                        progress(adopted)
+        except BaseException:
+            slices.close()  # the reader thread has stopped writing before the rest is zeroed
+            engine.abandon(first + adopted, total - adopted)
+            raise
+        finally:
+            slices.close()
+            pool.release()

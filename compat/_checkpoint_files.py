@@ -15,6 +15,7 @@ Version 1, version 2 (across ranks) and the DCP adapter all go through here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import io
@@ -116,15 +117,6 @@ def remove_stale_staging(path: Path) -> None:
                     os.remove(lock_file)
             except (BlockingIOError, FileNotFoundError):
                 continue
-
-
-def remove_checkpoint(path: Path, marker: str = MANIFEST) -> None:
-    """Delete a checkpoint directory marker first, so a half-deleted copy never looks complete."""
-    try:
-        os.remove(path / marker)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def replace_directory(staging: Path, path: Path, previous: Path) -> None:
@@ -292,13 +284,55 @@ def publish(
 
     ``manifest`` (JSON, or its bytes) is written to ``marker`` last, when given: its
     presence marks a complete save. The old checkpoint waits at a ``.previous-X``
-    sibling until the rename is done, then it (and any an interrupted save left) is
-    removed marker first.
+    sibling until the rename is done; then its marker is removed (it never looks
+    complete again) and its files are deleted on a background thread, off the save's
+    critical path (``spec/checkpoint_format.md``).
     """
     if manifest is not None:
         data = manifest if isinstance(manifest, bytes) else json.dumps(manifest, indent=1).encode()
         write_synced(staging / marker, data)
     previous = path.parent / f".{path.name}.previous-{secrets.token_hex(4)}"
     replace_directory(staging, path, previous)
-    for old in path.parent.glob(f".{path.name}.previous-*"):
-        remove_checkpoint(old, marker)
+    remove_previous_copies(path, marker)
+
+
+_removals: dict[Path, threading.Thread] = {}
+_removals_lock = threading.Lock()
+
+
+def remove_previous_copies(path: Path, marker: str = MANIFEST) -> None:
+    """Delete the previous copies of ``path`` (``.NAME.previous-*``, this save's and any an
+    interrupted one left): each marker now, the files on a background thread. A removal
+    still running for ``path`` is waited for first, so two never race."""
+    with _removals_lock:
+        running = _removals.pop(path, None)
+    if running is not None:
+        running.join()
+    old = sorted(path.parent.glob(f".{path.name}.previous-*"))
+    for copy in old:
+        try:
+            os.remove(copy / marker)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    if not old:
+        return
+    thread = threading.Thread(
+        target=lambda: [shutil.rmtree(copy, ignore_errors=True) for copy in old],
+        name=f"leanstate-remove-{path.name}",
+        daemon=True,
+    )
+    with _removals_lock:
+        _removals[path] = thread
+    thread.start()
+
+
+def finish_removals() -> None:
+    """Wait until every previous copy being deleted is gone (also run at exit)."""
+    with _removals_lock:
+        running = list(_removals.values())
+        _removals.clear()
+    for thread in running:
+        thread.join()
+
+
+atexit.register(finish_removals)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from leanstate._checkpoint_chunks import read_chunks, write_store
+from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks, read_in_place, write_store
 from leanstate._checkpoint_files import (
     checked_target,
     extra_bytes_of,
@@ -51,6 +51,7 @@ from leanstate._checkpoint_format import (
     table_entry,
     targets_of,
 )
+from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
@@ -237,14 +238,14 @@ def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None
     if not one_pass:
         for target, table, chunks in plan:
             if table is not None:
-                for _ in read_chunks(path, target.name, table, chunks, chunk_bytes):
+                for _ in read_chunks(path, target.name, table, chunks, chunk_bytes, ahead=True):
                     pass
     try:
         # Into stores that held rows, every chunk is verified: Ctrl-C waits for the apply to
         # finish (a half-applied store could not be restored), then interrupts.
         with contextlib.nullcontext() if one_pass else interrupts_deferred():
             for target, table, chunks in plan:
-                _apply(path, manifest, target, table, chunks, id_range, chunk_bytes, progress)
+                _apply(path, manifest, target, table, chunks, id_range, chunk_bytes, progress, one_pass)
         return extra
     except BaseException:
         if one_pass:  # rows went into empty stores: empty them again
@@ -254,34 +255,52 @@ def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None
 
 
 def _apply(
-    path: Path, manifest: dict, target: Target, table, chunks, id_range, chunk_bytes, progress
+    path: Path,
+    manifest: dict,
+    target: Target,
+    table,
+    chunks,
+    id_range,
+    chunk_bytes,
+    progress,
+    into_empty: bool,
 ) -> None:
-    """Stream one planned table's rows into its store; every chunk's CRC is checked as it is read."""
+    """Stream one planned table's rows into its store; every chunk's CRC is checked as it is read.
+
+    Into an empty store whose engine reads in place (the numba engine), with no
+    ``id_range``, the rows are read straight into its pool and indexed there; otherwise
+    each slice, read one ahead on a thread, goes through ``set_rows``."""
     if table is None:  # a read-only view: its rows arrived with the whole rows
         target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
         return
-    layout = target.store.layout
+    store = target.store
+    engine = store.engine if isinstance(store, KVStore) else None
+    if into_empty and id_range is None and isinstance(engine, ReadsInPlace):
+        report = None if progress is None else (lambda done: progress(target.name, done, table["rows"]))
+        read_in_place(path, target.name, table, chunks, engine, min(chunk_bytes, SLICE_BYTES), report)
+        return
+    layout = store.layout
     done, reserved = 0, False
     # The file's size matched the manifest before the first slice: grow the store once.
     # Rows the store already holds (a resume) need no room: reserving them too would
     # grow a full store by the table's size.
     incoming = sum(chunk["rows"] for _, chunk in chunks)
-    for rows in _slices(path, target.name, table, chunks, min(chunk_bytes, SLICE_BYTES), layout):
-        if not reserved:
-            target.store.reserve(max(0, incoming - len(target.store)))
-            reserved = True
-        if id_range is not None:
-            rows = rows[in_range(header_words(rows)[:, 0], id_range)]
-        target.store.set_rows(rows)  # keyed by each row's header, for views too
-        done += len(rows)
-        if progress is not None:
-            progress(target.name, done, table["rows"])
-
-
-def _slices(path: Path, name: str, table: dict, chunks, slice_bytes: int, layout) -> Iterator[torch.Tensor]:
-    for _, buffer in read_chunks(path, name, table, chunks, slice_bytes):
-        if buffer is not None:
-            yield torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
+    with contextlib.closing(
+        read_chunks(path, target.name, table, chunks, min(chunk_bytes, SLICE_BYTES), ahead=True)
+    ) as slices:
+        for _, buffer in slices:
+            if buffer is None:
+                continue
+            rows = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
+            if not reserved:
+                store.reserve(max(0, incoming - len(store)))
+                reserved = True
+            if id_range is not None:
+                rows = rows[in_range(header_words(rows)[:, 0], id_range)]
+            store.set_rows(rows)  # keyed by each row's header, for views too
+            done += len(rows)
+            if progress is not None:
+                progress(target.name, done, table["rows"])
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:

@@ -12,7 +12,7 @@ import crc32c
 import pytest
 import torch
 
-from leanstate._checkpoint_files import read_manifest
+from leanstate._checkpoint_files import finish_removals, read_manifest
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -204,6 +204,9 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
     new = filled(n=20)
     save_checkpoint(tmp_path / "ck", {"a": new})
     assert sorted(os.listdir(tmp_path / "ck")) == ["a.rows", "manifest.json"]
+    others = [p for p in tmp_path.iterdir() if p.name != "ck"]  # at most the old copy, being deleted
+    assert all(p.name.startswith(".ck.previous-") and not (p / "manifest.json").exists() for p in others)
+    finish_removals()
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or previous copy left
     dst = KVStore(6, optimizer_state_dim=2)
     load_checkpoint(tmp_path / "ck", {"a": dst})

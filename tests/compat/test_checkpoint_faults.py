@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from leanstate._checkpoint_files import read_manifest
+from leanstate import _checkpoint_files
+from leanstate._checkpoint_files import finish_removals, read_manifest
 from leanstate._tools.cli import main as leanstate_main
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
@@ -334,6 +336,34 @@ def test_the_hint_names_only_a_complete_previous_copy(tmp_path):
         read_manifest(path)
 
 
+def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_looks_complete(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "ck"
+    save_checkpoint(path, {"t": filled(5)})
+    held, release = threading.Event(), threading.Event()
+    real_rmtree = _checkpoint_files.shutil.rmtree
+
+    def slow_rmtree(folder, **kwargs):
+        held.set()
+        release.wait(timeout=60)
+        real_rmtree(folder, **kwargs)
+
+    monkeypatch.setattr(_checkpoint_files.shutil, "rmtree", slow_rmtree)
+    save_checkpoint(path, {"t": filled(7)})  # returns while the old copy's deletion is held
+    assert held.wait(timeout=60)
+    copies = list(tmp_path.glob(".ck.previous-*"))
+    assert len(copies) == 1 and not (copies[0] / "manifest.json").exists()
+    with pytest.raises(FileNotFoundError):
+        read_manifest(copies[0])
+    fresh = KVStore(6, optimizer_state_dim=2, backend="reference")
+    load_checkpoint(path, {"t": fresh})
+    assert len(fresh) == 7
+    release.set()
+    finish_removals()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, torch
@@ -393,4 +423,5 @@ def test_a_save_killed_at_a_random_point_leaves_the_old_or_the_new_checkpoint(tm
     # the next save succeeds and removes what the killed one left: staging, locks, copies
     save_version(path, 3)
     assert version_at(path) == 3
+    finish_removals()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -1,0 +1,127 @@
+"""The chunk loop's readers: a load into an empty numba store reads in place (straight into
+the pool, indexed slice by slice), the others read one slice ahead on a thread; both
+check every chunk as the reference does, and a bad file changes no store."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+import leanstate
+from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks
+from leanstate.accelerated.numba_kv_store import KVStoreEngine
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.reference.checkpoint import CheckpointError
+from tests.harness import FakeClock
+
+CHUNK = 4096  # bytes: several chunks, each of several slices below
+
+
+def filled(backend: str, n: int = 300) -> leanstate.KVStore:
+    store = leanstate.KVStore(6, optimizer_state_dim=2, clock=FakeClock(9), backend=backend)
+    ids = torch.randperm(10_000, generator=torch.Generator().manual_seed(3))[:n]
+    store.set(ids, torch.randn(n, 8, generator=torch.Generator().manual_seed(4)))
+    return store
+
+
+def same_rows(a: leanstate.KVStore, b: leanstate.KVStore) -> bool:
+    keys = a.keys()
+    return torch.equal(keys, b.keys()) and torch.equal(
+        a.get_rows(keys).view(torch.int32), b.get_rows(keys).view(torch.int32)
+    )
+
+
+def test_a_load_into_an_empty_numba_store_reads_in_place_and_equals_the_references(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path / "ck", {"t": filled("reference")}, chunk_bytes=CHUNK)
+    store = leanstate.KVStore(6, optimizer_state_dim=2, backend="numba")
+    assert isinstance(store.engine, ReadsInPlace)
+
+    def no_staging(self, rows):
+        raise AssertionError("an empty store's load went through set_rows")
+
+    monkeypatch.setattr(KVStoreEngine, "write_rows", no_staging)
+    seen = []
+    load_checkpoint(tmp_path / "ck", {"t": store}, chunk_bytes=CHUNK, progress=lambda *a: seen.append(a))
+    expected = leanstate.KVStore(6, optimizer_state_dim=2, backend="reference")
+    load_checkpoint(tmp_path / "ck", {"t": expected}, chunk_bytes=CHUNK)
+    assert same_rows(store, expected) and len(store) == 300
+    assert seen[-1] == ("t", 300, 300) and len(seen) > 3  # one report per chunk
+
+
+def damage(path, how: str) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    chunks = manifest["tables"]["t"]["chunks"]
+    rows = path / "t.rows"
+    data = bytearray(rows.read_bytes())
+    row_bytes = manifest["tables"]["t"]["row_bytes"]
+    last = chunks[-1]
+    if how == "a flipped byte in the last chunk":
+        data[last["offset"] + 20] ^= 0xFF
+    elif how == "ids out of order in the last chunk":
+        first, second = last["offset"], last["offset"] + row_bytes
+        data[first : first + 8], data[second : second + 8] = (
+            data[second : second + 8],
+            data[first : first + 8],
+        )
+    elif how == "an id of an earlier chunk again":
+        data[last["offset"] : last["offset"] + 8] = data[chunks[0]["offset"] : chunks[0]["offset"] + 8]
+    rows.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "a flipped byte in the last chunk",
+        "ids out of order in the last chunk",
+        "an id of an earlier chunk again",
+    ],
+)
+def test_a_bad_chunk_read_in_place_leaves_the_store_empty_and_its_pool_clean(tmp_path, how):
+    save_checkpoint(tmp_path / "ck", {"t": filled("reference")}, chunk_bytes=CHUNK)
+    damage(tmp_path / "ck", how)
+    store = leanstate.KVStore(6, optimizer_state_dim=2, clock=FakeClock(5), backend="numba")
+    with pytest.raises(CheckpointError):
+        load_checkpoint(tmp_path / "ck", {"t": store}, chunk_bytes=CHUNK)
+    assert len(store) == 0 and len(store.keys()) == 0
+    # the blocks read but never adopted were zeroed: new ids start from clean rows
+    reference = leanstate.KVStore(6, optimizer_state_dim=2, clock=FakeClock(5), backend="reference")
+    ids = torch.arange(0, 3000, 7)
+    for target in (store, reference):
+        target.set(ids, torch.ones(len(ids), 3), width_offset=2)
+    assert same_rows(store, reference)
+
+
+def test_reading_one_slice_ahead_yields_what_reading_in_turn_yields_and_stops_its_thread(tmp_path):
+    save_checkpoint(tmp_path / "ck", {"t": filled("reference")}, chunk_bytes=CHUNK)
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    table = manifest["tables"]["t"]
+    chunks = list(enumerate(table["chunks"]))
+    plain = [
+        (i, None if v is None else bytes(v))
+        for i, v in read_chunks(tmp_path / "ck", "t", table, chunks, 1000)
+    ]
+    ahead = [
+        (i, None if v is None else bytes(v))
+        for i, v in read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True)
+    ]
+    assert ahead == plain and len(plain) > 2 * len(chunks)
+    partial = read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True)
+    next(partial)
+    partial.close()  # stopping early ends the reader thread
+    assert not any(t.name == "leanstate-checkpoint-reader" for t in threading.enumerate())
+
+
+def test_a_flipped_byte_read_ahead_is_raised_after_the_slices_before_it(tmp_path):
+    save_checkpoint(tmp_path / "ck", {"t": filled("reference")}, chunk_bytes=CHUNK)
+    damage(tmp_path / "ck", "a flipped byte in the last chunk")
+    table = json.loads((tmp_path / "ck" / "manifest.json").read_text())["tables"]["t"]
+    chunks = list(enumerate(table["chunks"]))
+    verified = []
+    with pytest.raises(CheckpointError, match=f"chunk {len(chunks) - 1} of"):
+        for index, view in read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True):
+            if view is None:
+                verified.append(index)
+    assert verified == list(range(len(chunks) - 1))
