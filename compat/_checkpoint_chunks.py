@@ -314,10 +314,13 @@ class _Stopped(Exception):
 _DONE = object()
 
 
-def _on_a_thread(produce: Callable[[], Iterator], stop: threading.Event) -> Iterator:
+def _on_a_thread(
+    produce: Callable[[], Iterator], stop: threading.Event, idle: Callable[[], bool] | None = None
+) -> Iterator:
     """``produce()``'s items, produced on a thread and yielded here in order; what the
-    thread raises is raised here, after the items before it. Leaving early sets ``stop``
-    (``produce`` checks it) and waits for the thread."""
+    thread raises is raised here, after the items before it. While no item is ready,
+    ``idle()`` runs here (until it returns False) before waiting. Leaving early sets
+    ``stop`` (``produce`` checks it) and waits for the thread."""
     ready: queue.Queue = queue.Queue()
 
     def run() -> None:
@@ -334,7 +337,15 @@ def _on_a_thread(produce: Callable[[], Iterator], stop: threading.Event) -> Iter
     thread = threading.Thread(target=run, name="leanstate-checkpoint-reader", daemon=True)
     thread.start()
     try:
-        while (item := ready.get()) is not _DONE:
+        while True:
+            try:
+                item = ready.get_nowait()
+            except queue.Empty:
+                if idle is not None and idle():
+                    continue
+                item = ready.get()
+            if item is _DONE:
+                break
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -393,6 +404,8 @@ class ReadsInPlace(Protocol):
 
     def abandon(self, first: int, count: int) -> None: ...
 
+    def fault_in(self, first: int, count: int) -> None: ...
+
 
 def read_in_place(
     path: Path,
@@ -404,8 +417,9 @@ def read_in_place(
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Read a table's listed chunks straight into blocks ``engine`` claims, and have it
-    adopt each slice once its ids check out: a reader thread reads slice k+1 while this
-    one checksums and adopts slice k. Every chunk is checked as :func:`chunk_slices`
+    adopt each slice once its ids check out: a reader thread reads (and checksums) slice
+    k+1 while this one checks and adopts slice k, and faults in the pages ahead of the
+    reader while it has nothing to adopt. Every chunk is checked as :func:`chunk_slices`
     checks it; on a problem the rows not yet adopted are given back and the error
     raised (the rows adopted stay: the caller loads into empty stores and empties them).
     ``progress(rows_done)`` after each chunk."""
@@ -435,8 +449,20 @@ def read_in_place(
                         yield index, chunk, done, rows, complete, crc
                         done += rows
 
+        faulted = 0
+
+        def fault_ahead() -> bool:
+            """While the reader reads, take the page faults of the blocks ahead of it off its path."""
+            nonlocal faulted
+            if faulted >= total:
+                return False
+            step = min(slice_rows, total - faulted)
+            engine.fault_in(first + faulted, step)
+            faulted += step
+            return True
+
         adopted, check, chunk_start = 0, None, 0
-        slices = _on_a_thread(read, stop)
+        slices = _on_a_thread(read, stop, fault_ahead)
         try:
             for index, chunk, at, rows, complete, crc in slices:
                 where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)

@@ -25,7 +25,7 @@ from leanstate._tools.workloads import (
     zero_comparison,
 )
 
-DCP_TARGET = 0.7
+DCP_TARGET = 0.8
 LEGEND = (
     "ratio: how many times better leanstate does than its peer, higher is better (peer time / "
     "leanstate time; peer cost / leanstate cost for memory, bytes and collectives; leanstate rate / "
@@ -152,6 +152,7 @@ def report(
                     "read": io.read_plain,
                     "dcp save": io.dcp_save,
                     "dcp load": io.dcp_load,
+                    "legacy load": io.legacy_load,
                 },
                 rounds,
             )
@@ -161,6 +162,16 @@ def report(
             target = _target("kv_store", op, name)
             measure = f"{op} {checkpoint_rows} rows s"
             add("checkpoint", measure, times[op], peer_name, times[peer], target, name=name)
+        legacy = "legacy load (all rows held, then applied)"
+        add(
+            "checkpoint",
+            f"load {checkpoint_rows} rows s",
+            times["load"],
+            legacy,
+            times["legacy load"],
+            1.0,
+            name=name,
+        )
         for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
             mine = f"dcp {op}"
             add(

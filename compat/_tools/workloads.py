@@ -25,7 +25,7 @@ import torch
 
 import leanstate
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
-from leanstate.reference.legacy_checkpoint import save_legacy_checkpoint
+from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -154,6 +154,7 @@ class CheckpointIO:
         self.bytes = np.fromfile(self.path / "t.rows", dtype=np.uint8)
         self.plain = self.folder / "plain.bin"
         plain_write(self.plain, self.bytes)
+        save_legacy_checkpoint(self.folder / "legacy", {"t": self.store})
 
     def save(self) -> None:
         save_checkpoint(self.path, {"t": self.store}, chunk_bytes=self.chunk_bytes)
@@ -161,6 +162,11 @@ class CheckpointIO:
     def load(self) -> None:
         target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
         load_checkpoint(self.path, {"t": target}, chunk_bytes=self.chunk_bytes)
+
+    def legacy_load(self) -> None:
+        """The legacy format's load into a fresh store: every id, weight and state held, then applied."""
+        target = leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
+        load_legacy_checkpoint(self.folder / "legacy", {"t": target})
 
     def dcp_save(self) -> None:
         from leanstate import dcp

@@ -137,8 +137,8 @@ def test_rows_faulted_in_ahead_are_bounded_and_change_no_result():
     engine = numba.engine
     engine._finish_prefault()
     mapped_rows = len(engine._map) // numba.layout.row_bytes
-    # at most 1/32 of the pool beyond need (and the rounding to a step of 1024 rows)
-    assert engine.handed_out < mapped_rows <= engine.handed_out * (1 + 1 / 32) + 1024
+    # at most 1/12 of the pool beyond need (and the rounding to a step of 1024 rows)
+    assert engine.handed_out < mapped_rows <= engine.handed_out * (1 + 1 / 12) + 1024
 
 
 class _RecordingLock:
