@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ NO_DEVICE = (
     "(--simulate runs the script in numba's CUDA simulator)"
 )
 BUDGET_S = 480  # the whole check, tests included, on one GPU
+T = TypeVar("T")
 BUDGET = {"get": 0, "set (new ids)": 2, "training step": 4}  # waits per call, spec/backends.md
 
 
@@ -123,17 +125,23 @@ class Report:
         self.failures: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
 
-    def measure(self, what: str, backend: str, figures: Callable[[], list[dict]]) -> None:
-        """Run ``figures`` in its own try; keep its lines, or the failure, and write both."""
+    def attempt(self, what: str, backend: str, step: Callable[[], T]) -> T | None:
+        """``step()`` in its own try: its result, or None with the failure kept and written."""
         print(f"gpu-check: {what} ({backend})", flush=True)
         try:
-            self.lines += figures()
+            return step()
         except Exception as error:  # noqa: BLE001 - one figure's failure must not lose the others
             self.failures.append(
                 {"figure": what, "backend": backend, "error": f"{type(error).__name__}: {error}",
                  "traceback": traceback.format_exc()}
             )  # fmt: skip
             print(f"gpu-check: {what} ({backend}) FAILED: {type(error).__name__}: {error}", flush=True)
+            self.write()
+            return None
+
+    def measure(self, what: str, backend: str, figures: Callable[[], list[dict]]) -> None:
+        """Run ``figures`` in its own try; keep its lines, or the failure, and write both."""
+        self.lines += self.attempt(what, backend, figures) or []
         self.write()
 
     def write(self) -> None:
@@ -173,39 +181,67 @@ def _filled_store(device: torch.device, backend: str, rows: int, batch: int, dim
     return store
 
 
+class StoreBench:
+    """One store backend on a device, filled, beside a dense table of the same rows; each
+    figure a method, so each is measured in its own try."""
+
+    def __init__(self, device: torch.device, backend: str, sizes: Sizes, dim: int = 64) -> None:
+        self.device, self.backend, self.sizes, self.dim = device, backend, sizes, dim
+        rows, batch = sizes.rows, sizes.batch
+        self.calls = sizes.repeat + 2  # timed() warms up twice
+        self.store = _filled_store(device, backend, rows, batch, dim, spare=2 * self.calls * batch)
+        generator = torch.Generator().manual_seed(1)
+        self.dense = torch.randn(rows, dim, device=device)
+        self.ids = torch.randint(0, rows, (batch,), generator=generator).to(device)
+        self.values = torch.randn(batch, dim, generator=generator).to(device)
+        self.out = torch.empty(batch, dim, device=device)
+        self.fresh = iter(range(2 * self.calls))
+        self.kv = f"B KV/s (dim {dim})"
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        return timed(fn, self.device, self.sizes.repeat)
+
+    def find(self) -> list[dict]:
+        """find (a get into ``out``) in B KV/s beside HierarchicalKV and the ceiling, and as a time."""
+        batch, backend = self.sizes.batch, self.backend
+        ours = self._timed(lambda: self.store.get(self.ids, out=self.out))
+        dense = self._timed(lambda: torch.index_select(self.dense, 0, self.ids, out=self.out))
+        return [
+            line(f"find {self.kv}", backend, batch / ours / 1e9, "HierarchicalKV A100 (published)",
+                 HIERARCHICAL_KV_A100["find"]),
+            line(f"find {self.kv}", backend, batch / ours / 1e9, "index_select here (ceiling)", batch / dense / 1e9),
+            line("get s", backend, ours, "dense index_select", dense, time=True),
+        ]  # fmt: skip
+
+    def insert_or_assign(self) -> list[dict]:
+        """A set of half present, half new ids, in B KV/s beside HierarchicalKV and the ceiling."""
+        rows, batch, backend, device = self.sizes.rows, self.sizes.batch, self.backend, self.device
+
+        def mixed_set():
+            first = rows + next(self.fresh) * batch
+            fresh = torch.arange(first, first + batch - batch // 2, device=device)
+            self.store.set(torch.cat([self.ids[: batch // 2], fresh]), self.values)
+
+        ours = self._timed(mixed_set)
+        dense = self._timed(lambda: self.dense.index_copy_(0, self.ids, self.values))
+        return [
+            line(f"insert_or_assign {self.kv}", backend, batch / ours / 1e9, "HierarchicalKV A100 (published)",
+                 HIERARCHICAL_KV_A100["insert_or_assign"]),
+            line(f"insert_or_assign {self.kv}", backend, batch / ours / 1e9, "index_copy_ here (ceiling)",
+                 batch / dense / 1e9),
+        ]  # fmt: skip
+
+    def set(self) -> list[dict]:
+        """A set of present ids beside ``index_copy_``, as times."""
+        ours = self._timed(lambda: self.store.set(self.ids, self.values))
+        dense = self._timed(lambda: self.dense.index_copy_(0, self.ids, self.values))
+        return [line("set s", self.backend, ours, "dense index_copy_", dense, time=True)]
+
+
 def store_figures(device: torch.device, backend: str, sizes: Sizes, dim: int = 64) -> list[dict]:
-    """One store backend on ``device``: find / insert rates beside HierarchicalKV's and the
-    dense ceiling, get / set beside the dense table's."""
-    rows, batch, repeat = sizes.rows, sizes.batch, sizes.repeat
-    calls = repeat + 2  # timed() warms up twice
-    store = _filled_store(device, backend, rows, batch, dim, spare=2 * calls * batch)
-    generator = torch.Generator().manual_seed(1)
-    dense = torch.randn(rows, dim, device=device)
-    ids = torch.randint(0, rows, (batch,), generator=generator).to(device)
-    values = torch.randn(batch, dim, generator=generator).to(device)
-    out = torch.empty(batch, dim, device=device)
-    fresh = iter(range(2 * calls))
-
-    def insert_or_assign():  # half the ids present, half new
-        first = rows + next(fresh) * batch
-        mixed = torch.cat([ids[: batch // 2], torch.arange(first, first + batch - batch // 2, device=device)])
-        store.set(mixed, values)
-
-    find = timed(lambda: store.get(ids, out=out), device, repeat)
-    insert = timed(insert_or_assign, device, repeat)
-    set_time = timed(lambda: store.set(ids, values), device, repeat)
-    dense_get = timed(lambda: torch.index_select(dense, 0, ids, out=out), device, repeat)
-    dense_set = timed(lambda: dense.index_copy_(0, ids, values), device, repeat)
-    kv = f"B KV/s (dim {dim})"
-    return [
-        line(f"find {kv}", backend, batch / find / 1e9, "HierarchicalKV A100 (published)", HIERARCHICAL_KV_A100["find"]),
-        line(f"find {kv}", backend, batch / find / 1e9, "index_select here (ceiling)", batch / dense_get / 1e9),
-        line(f"insert_or_assign {kv}", backend, batch / insert / 1e9, "HierarchicalKV A100 (published)",
-             HIERARCHICAL_KV_A100["insert_or_assign"]),
-        line(f"insert_or_assign {kv}", backend, batch / insert / 1e9, "index_copy_ here (ceiling)", batch / dense_set / 1e9),
-        line("get s", backend, find, "dense index_select", dense_get, time=True),
-        line("set s", backend, set_time, "dense index_copy_", dense_set, time=True),
-    ]  # fmt: skip
+    """Every store figure of one backend, in one go (find, insert_or_assign, set)."""
+    bench = StoreBench(device, backend, sizes, dim)
+    return bench.find() + bench.insert_or_assign() + bench.set()
 
 
 def _bag_batch(device: torch.device, rows: int, batch: int, pooling: int, seed: int):
@@ -348,7 +384,11 @@ def run(out: Path, *, simulate: bool = False, sizes: Sizes | None = None, tests:
     stores = [b for b in device_backends("kv_store", device) if not simulate or b == "numba-cuda"]
     bags = [b for b in device_backends("embedding", device) if not simulate or b == "numba-cuda"]
     for backend in stores:
-        report.measure("store", backend, lambda b=backend: store_figures(device, b, sizes))
+        bench = report.attempt("store setup", backend, lambda b=backend: StoreBench(device, b, sizes))
+        if bench is not None:
+            for figure in (bench.find, bench.insert_or_assign, bench.set):
+                report.measure(figure.__name__, backend, figure)
+        del bench
         report.measure("waits", backend, lambda b=backend: wait_figures(device, b, sizes))
     for backend in bags:
         report.measure("embedding step", backend, lambda b=backend: embedding_figures(device, b, sizes))
