@@ -101,11 +101,18 @@ def timed(fn: Callable[[], object], device: torch.device, repeat: int, warmup: i
 
 
 def line(
-    measure: str, backend: str, ours: float, peer_name: str, peer: float | None, *, time: bool = False
+    measure: str,
+    backend: str,
+    ours: float,
+    peer_name: str,
+    peer: float,
+    *,
+    time: bool = False,
+    budget: bool = False,
 ) -> dict:
     """A table row; ``ratio`` is leanstate's throughput over the peer's (1.0 = as fast),
-    None where the peer is a budget rather than a rate."""
-    ratio = None if peer is None or not ours else (peer / ours if time else ours / peer)
+    None where the peer is a budget (a count to stay within, maybe 0) rather than a rate."""
+    ratio = None if budget else (peer / ours if time else ours / peer)
     return {
         "measure": measure,
         "backend": backend,
@@ -162,7 +169,7 @@ def format_table(lines: list[dict]) -> str:
             item["backend"],
             f"{item['leanstate']:.4g}",
             item["peer"],
-            "-" if item["peer value"] is None else f"{item['peer value']:.4g}",
+            f"{item['peer value']:.4g}",
             "-" if item["ratio"] is None else f"{item['ratio']:.3f}",
         ]
         for item in lines
@@ -230,6 +237,36 @@ class StoreBench:
             line(f"insert_or_assign {self.kv}", backend, batch / ours / 1e9, "index_copy_ here (ceiling)",
                  batch / dense / 1e9),
         ]  # fmt: skip
+
+    def waits(self) -> list[dict]:
+        """Waits for the device per get, per set of new ids and per training step, beside the budget."""
+        device, backend, batch, dim = self.device, self.backend, self.sizes.batch, self.dim
+        first = self.sizes.rows + next(self.fresh) * batch
+        new = torch.arange(first, first + batch, device=device)
+        bag = KVEmbeddingBag(None, dim, optimizer="rowwise_adagrad", device=device, backend=backend)
+        steps = iter(range(10))
+
+        def step():
+            start = next(steps) * batch
+            ids = torch.arange(start, start + batch, device=device)
+            bag(ids, torch.arange(0, batch, 4, device=device)).sum().backward()
+
+        self.store.get(self.ids)
+        step()  # warm
+        counted = {
+            "get": _waits(lambda: self.store.get(self.ids), device),
+            "set (new ids)": _waits(lambda: self.store.set(new, self.values), device),
+            "training step": _waits(step, device),
+        }
+        lines = []
+        for call, (ours, torchs) in counted.items():
+            lines.append(
+                line(f"host waits per {call} (counted)", backend, ours, "budget", BUDGET[call], budget=True)
+            )
+            if torchs is not None:
+                measure = f"host syncs per {call} (torch debug mode)"
+                lines.append(line(measure, backend, torchs, "budget", BUDGET[call], budget=True))
+        return lines
 
     def set(self) -> list[dict]:
         """A set of present ids beside ``index_copy_``, as times."""
@@ -323,39 +360,6 @@ def _waits(fn: Callable[[], object], device: torch.device) -> tuple[int, int | N
     return host_reads() - before, sum("synchroniz" in str(w.message) for w in caught)
 
 
-def wait_figures(device: torch.device, backend: str, sizes: Sizes, dim: int = 64) -> list[dict]:
-    """Waits for the device per get, per set with new ids and per training step, beside the budget."""
-    batch = sizes.batch
-    store = _filled_store(device, backend, sizes.rows, batch, dim, spare=4 * batch)
-    ids = torch.arange(batch, device=device)
-    new = torch.arange(sizes.rows, sizes.rows + batch, device=device)
-    values = torch.randn(batch, dim, device=device)
-    store.get(ids)
-    bag = KVEmbeddingBag(None, dim, optimizer="rowwise_adagrad", device=device, backend=backend)
-    steps = iter(range(10))
-
-    def step():
-        first = next(steps) * batch
-        bag(
-            torch.arange(first, first + batch, device=device), torch.arange(0, batch, 4, device=device)
-        ).sum().backward()
-
-    step()  # warm
-    counted = {
-        "get": _waits(lambda: store.get(ids), device),
-        "set (new ids)": _waits(lambda: store.set(new, values), device),
-        "training step": _waits(step, device),
-    }
-    lines = []
-    for call, (ours, torchs) in counted.items():
-        lines.append(line(f"host waits per {call} (counted)", backend, ours, "budget", BUDGET[call]))
-        if torchs is not None:
-            lines.append(
-                line(f"host syncs per {call} (torch debug mode)", backend, torchs, "budget", BUDGET[call])
-            )
-    return lines
-
-
 def _simulated_run(out: Path) -> int:
     """The same script in a process where numba's CUDA simulator is on from the start."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
@@ -386,10 +390,9 @@ def run(out: Path, *, simulate: bool = False, sizes: Sizes | None = None, tests:
     for backend in stores:
         bench = report.attempt("store setup", backend, lambda b=backend: StoreBench(device, b, sizes))
         if bench is not None:
-            for figure in (bench.find, bench.insert_or_assign, bench.set):
+            for figure in (bench.find, bench.insert_or_assign, bench.set, bench.waits):
                 report.measure(figure.__name__, backend, figure)
         del bench
-        report.measure("waits", backend, lambda b=backend: wait_figures(device, b, sizes))
     for backend in bags:
         report.measure("embedding step", backend, lambda b=backend: embedding_figures(device, b, sizes))
     for backend in device_backends("offload", device):

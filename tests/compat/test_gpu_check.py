@@ -89,6 +89,7 @@ def test_the_check_runs_in_the_simulator_and_its_waits_are_within_budget(tmp_pat
     assert figures[("find B KV/s (dim 64)", "numba-cuda")]["leanstate"] > 0
     assert figures[("sgd step s (B=4x20, dim 128)", "numba-cuda")]["leanstate"] > 0
     waits = {m: f["leanstate"] for (m, _), f in figures.items() if m.startswith("host waits")}
+    assert all(figures[(m, "numba-cuda")]["ratio"] is None for m in waits)  # a budget, not a rate
     assert waits == {
         "host waits per get (counted)": 0,
         "host waits per set (new ids) (counted)": 2,
