@@ -270,6 +270,11 @@ class KVStoreEngine:
             self._prefault.join()
             self._prefault = None
 
+    def _huge_pages_for(self, rows: int) -> None:
+        """Ask for huge pages when ``rows`` is a bulk reservation (64 MiB or more)."""
+        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows now: one table rebuild, and the pool rows mapped and
         faulted in, so the inserts that follow write to memory that is already there.
@@ -280,8 +285,7 @@ class KVStoreEngine:
         """
         with self.lock.writing():
             self._reserve(max(0, rows), ahead=False)
-            if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+            self._huge_pages_for(rows)
             self._finish_prefault()
             first = self.handed_out * self.layout.row_bytes
             last = first + max(0, rows - self.free_top) * self.layout.row_bytes
@@ -296,8 +300,7 @@ class KVStoreEngine:
         on huge pages for a bulk claim). Write whole rows there through ``rows``, then
         :meth:`adopt` them or :meth:`abandon` them."""
         self._reserve(rows + self.free_top, ahead=False)
-        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._huge_pages_for(rows)
         first = self.handed_out
         self.handed_out += rows
         return first

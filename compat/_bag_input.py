@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from leanstate._host_reads import host_read
+from leanstate._host_reads import first_true, host_read
 
 
 def check_ids(ids: object) -> torch.Tensor:
@@ -111,11 +111,7 @@ def batch_summary(ids: torch.Tensor, offsets: torch.Tensor, *, num_embeddings: i
         else nothing
     )
     outside = ids >= num_embeddings if num_embeddings is not None else torch.zeros_like(ids, dtype=torch.bool)
-    # the first id outside the range, or -1: argmax finds the first True of a bool
-    first_outside = torch.where(outside.any(), torch.argmax(outside.to(torch.uint8)), -1) if len(ids) else -1
-    summary = torch.stack(
-        [bad_offsets.to(torch.int64), torch.as_tensor(first_outside, device=ids.device), (ids < 0).sum()]
-    )
+    summary = torch.stack([bad_offsets.to(torch.int64), first_true(outside), (ids < 0).sum()])
     offsets_wrong, outside_at, padding = host_read(summary.tolist)
     if offsets_wrong:
         raise ValueError(

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -27,6 +29,14 @@ def host_read(op: Callable[..., T], *args: object, **kwargs: object) -> T:
     with _lock:
         _reads += 1
     return op(*args, **kwargs)
+
+
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """The index of ``mask``'s first True, or -1, as a 0-d tensor on its device: computed
+    there, so a check costs one read (of this, or of a tensor holding it)."""
+    if not len(mask):
+        return torch.tensor(-1, device=mask.device)
+    return torch.where(mask.any(), torch.argmax(mask.to(torch.uint8)), -1)
 
 
 def host_reads() -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
-from leanstate._host_reads import host_read
+from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
@@ -365,10 +365,7 @@ class KVStore:
         method = "KVStore.set_rows"
         rows = self._check_values(method, "rows", rows, None, self.layout.width, exact=True)
         keys = header_words(rows)[:, 0]
-        bad = -1
-        if len(keys):  # the first negative key, or -1: one read
-            negative = keys < 0
-            bad = host_read(int, torch.where(negative.any(), torch.argmax(negative.to(torch.uint8)), -1))
+        bad = host_read(int, first_true(keys < 0)) if len(keys) else -1  # the first negative key
         if bad >= 0:
             raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
         self._engine.write_rows(rows)
