@@ -350,12 +350,19 @@ class KVStoreEngine:
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
         rows = rows.to(self.device)
-        unique, last, _, _ = last_occurrences(header_words(rows)[:, 0])
+        keys = header_words(rows)[:, 0]
+        # A checkpoint's rows arrive sorted by key, so distinct: then no sort and no copy of
+        # the rows (a load's peak stays near its slice, not several times it)
+        if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):
+            unique, chosen = keys, rows
+        else:
+            unique, last, _, _ = last_occurrences(keys)
+            chosen = rows.index_select(0, last)
         with self.lock:
             blocks = self._blocks_for(unique, initial=False)  # every inserted row is written below
-            chosen = rows.index_select(0, last)  # a copy: the caller's rows stay as they were
-            header_words(chosen)[:, 1] |= _USED
             self.rows.index_copy_(0, blocks, chosen)
+            flags = header_words(self.rows)[:, 1]  # set here: the caller's rows stay as they were
+            flags.index_copy_(0, blocks, flags.index_select(0, blocks) | _USED)
 
     def _remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Delete distinct non-negative keys: zero and free their blocks; the keys removed."""
