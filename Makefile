@@ -8,7 +8,7 @@ BENCH ?= .
 OLD ?= HEAD~1
 HISTORY := asv_bench/bench-history
 
-.PHONY: demo test test-slow bench bench-compare bench-html lint install gpu-check
+.PHONY: demo test test-cudasim test-main test-slow bench bench-compare bench-html lint install gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,13 +24,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m leanstate demo
 
-# CUDA-simulator tests run in their own process (the variable must be set before numba is
-# imported); collecting none (exit 5) fails. Then the regression gate: a handful of
+# The CUDA-simulator tests run in their own process (the variable must be set before numba
+# is imported; collecting none, exit 5, fails) beside the rest on two workers, a test file
+# to a worker (a file's ranks start once). Then, alone, the regression gate: a handful of
 # same-process ratios against peers, with a margin of 2.5x.
 test: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -m cudasim
-	$(BIN)/python -m pytest -q -m "not cudasim and not slow and not gpu"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-cudasim test-main
 	$(BIN)/python -m leanstate bench --gate
+
+test-cudasim: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m cudasim
+
+test-main: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not cudasim and not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow"

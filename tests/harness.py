@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from leanstate._tools.ranks import free_port, start_ranks
 
 VECTORS = Path(__file__).resolve().parents[1] / "spec" / "vectors"
 
@@ -95,13 +96,6 @@ def run_probe(script: str, *args: object, timeout: float = 600) -> dict:
 # -- ranks --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (picked before the ranks bind it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, folder: str, module: str, names: list[str] | None) -> None:
     """Run the scenarios ``names`` (default ``BY_WORLD[world]``) of test module ``module`` on this rank."""
     scenarios = importlib.import_module(module).SCENARIOS
@@ -122,7 +116,7 @@ def _worker(rank: int, world: int, port: int, folder: str, module: str, names: l
 
 
 def run_world(world: int, folder: Path, module: str, names: list[str] | None = None) -> dict[str, list[str]]:
-    """Spawn ``world`` gloo ranks running ``module``'s ``SCENARIOS``; scenario -> failures.
+    """Start ``world`` gloo ranks running ``module``'s ``SCENARIOS``; scenario -> failures.
 
     A world whose processes die (not a failing scenario: those are recorded) is started
     once more on a fresh port, since the port is picked before the ranks bind it.
@@ -136,7 +130,7 @@ def run_world(world: int, folder: Path, module: str, names: list[str] | None = N
 
 def _run_world_once(world: int, folder: Path, module: str, names: list[str] | None) -> dict[str, list[str]]:
     args = (world, free_port(), str(folder), module, names)
-    context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
+    context = start_ranks(_worker, args, world, join=False)
     deadline = time.monotonic() + 600
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import leanstate
-from leanstate._tools.workloads import free_port
+from leanstate._tools.ranks import free_port, start_ranks
 
 # Another world size sums gradients in another order: the losses of a continued run
 # differ from the uninterrupted one's in the last bits, and by at most this much.
@@ -235,7 +234,7 @@ def _worker(rank: int, world: int, port: int, run: dict) -> None:
 
 
 def _spawn(run: dict, world: int) -> dict:
-    mp.start_processes(_worker, args=(world, free_port(), run), nprocs=world, start_method="spawn")
+    start_ranks(_worker, (world, free_port(), run), world)
     record = json.loads(Path(run["out"], f"{run['name']}.json").read_text())
     record["losses"] = {int(k): v for k, v in record["losses"].items()}
     return record

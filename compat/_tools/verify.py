@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import leanstate
 from leanstate import _backends
@@ -197,12 +196,10 @@ def _rank_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
 
 
 def _two_ranks(quick: bool) -> dict[str, str]:
-    from leanstate._tools.workloads import free_port
+    from leanstate._tools.ranks import free_port, start_ranks
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(
-            _rank_worker, args=(2, free_port(), folder, 2 if quick else 5), nprocs=2, start_method="spawn"
-        )
+        start_ranks(_rank_worker, (2, free_port(), folder, 2 if quick else 5), 2)
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(2)]
     return {check: next((r[check] for r in ranks if r[check] != "ok"), "ok") for check in ranks[0]}
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import leanstate
+from leanstate._tools.ranks import free_port, start_ranks
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 
@@ -409,23 +410,12 @@ def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def zero_comparison(world: int = 2, steps: int = 10) -> dict:
-    """Spawn ``world`` gloo ranks on 127.0.0.1 comparing leanstate's ZeRO with torch's."""
-    import torch.multiprocessing as mp
-
+    """Start ``world`` gloo ranks on 127.0.0.1 comparing leanstate's ZeRO with torch's."""
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "zero.json")
-        mp.start_processes(_zero_worker, args=(world, port, out, steps), nprocs=world, start_method="spawn")
+        start_ranks(_zero_worker, (world, port, out, steps), world)
         return json.loads(Path(out).read_text())
 
 
@@ -476,16 +466,12 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int, dim:
 
 
 def sharded_comparison(world: int, steps: int = 5, dim: int = 64, ids: int = 16_384) -> dict:
-    """Spawn ``world`` gloo ranks stepping a sharded table (``ids`` lookups per rank per step);
+    """Start ``world`` gloo ranks stepping a sharded table (``ids`` lookups per rank per step);
     the median step time and the bytes exchanged against the minimum, summed over ranks."""
-    import torch.multiprocessing as mp
-
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "sharded.json")
-        mp.start_processes(
-            _sharded_worker, args=(world, port, out, steps, dim, ids), nprocs=world, start_method="spawn"
-        )
+        start_ranks(_sharded_worker, (world, port, out, steps, dim, ids), world)
         return json.loads(Path(out).read_text())
 
 
