@@ -1,4 +1,4 @@
-"""Local gloo ranks for the demo, the bench, verify and the tests.
+"""Local gloo ranks (and other short-lived processes) for the demo, the bench, verify and the tests.
 
 A rank started with ``spawn`` is a fresh interpreter that imports torch again: about 4 s of
 CPU each on a small machine, most of a short run's cost. The ranks here are forked from a
@@ -24,15 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(fn: Callable, args: tuple, world: int, *, join: bool = True) -> mp.ProcessContext | None:
-    """Run ``fn(rank, *args)`` in ``world`` processes, as ``torch.multiprocessing.start_processes``.
+def forked(fn: Callable) -> multiprocessing.context.BaseContext:
+    """The context whose processes run ``fn``: the forkserver, which imports torch,
+    torch.distributed, leanstate and ``fn``'s module when it starts (spawn where there is no
+    forkserver, as on Windows).
 
-    The server starts on the first call and reads the environment then: a variable the
-    ranks need from a later change must be set by ``fn`` itself (as ``MASTER_PORT`` is).
-    Where there is no forkserver (Windows), the ranks are spawned.
+    The server starts with the first process and reads the environment then: a variable
+    ``fn`` needs from a later change must be set by ``fn`` itself (as ``MASTER_PORT`` is).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return mp.start_processes(fn, args=args, nprocs=world, join=join, start_method="spawn")
-    # fn's module too, where it imports more (the server ignores this once it runs)
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*_PRELOAD, fn.__module__])
-    return mp.start_processes(fn, args=args, nprocs=world, join=join, start_method="forkserver")
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*_PRELOAD, fn.__module__])  # ignored once the server runs
+    return context
+
+
+def start_ranks(fn: Callable, args: tuple, world: int, *, join: bool = True) -> mp.ProcessContext | None:
+    """Run ``fn(rank, *args)`` in ``world`` processes of :func:`forked`, as
+    ``torch.multiprocessing.start_processes`` does."""
+    method = forked(fn).get_start_method()
+    return mp.start_processes(fn, args=args, nprocs=world, join=join, start_method=method)

@@ -9,10 +9,6 @@ import fcntl
 import io
 import json
 import random
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -25,6 +21,7 @@ import torch
 from leanstate import _checkpoint_files
 from leanstate._checkpoint_files import finish_removals, read_manifest
 from leanstate._tools.cli import main as leanstate_main
+from leanstate._tools.ranks import forked
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -364,18 +361,13 @@ def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_lo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-KILLED_SAVE = textwrap.dedent(
-    """
-    import sys, torch
-    from leanstate.kv_store import KVStore
-    from leanstate.checkpoint import save_checkpoint
+def _save_when_told(path: str, ready, go) -> None:
+    """The process killed during its save: a filled store, then the save of version 2 on ``go``."""
     store = KVStore(32, backend="reference")
     store.set(torch.arange(3000), torch.full((3000, 32), 2.0))
-    print("ready", flush=True)
-    sys.stdin.readline()
-    save_checkpoint(sys.argv[1], {"t": store}, extra={"version": 2}, chunk_bytes=4096)
-    """
-)
+    ready.set()
+    go.wait()
+    save_checkpoint(path, {"t": store}, extra={"version": 2}, chunk_bytes=4096)
 
 
 def save_version(path: Path, version: int) -> None:
@@ -399,18 +391,17 @@ def test_a_save_killed_at_a_random_point_leaves_the_old_or_the_new_checkpoint(tm
     replacing = trial % 4 != 0  # most trials replace a checkpoint; some save where there was none
     if replacing:
         save_version(path, 1)
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout.readline().strip() == "ready"
-    child.stdin.write("\n")
-    child.stdin.flush()
+    # a process of its own (forked from a server that imported torch: a fresh interpreter
+    # would spend seconds importing it before the save)
+    context = forked(_save_when_told)
+    ready, go = context.Event(), context.Event()
+    child = context.Process(target=_save_when_told, args=(str(path), ready, go))
+    child.start()
+    assert ready.wait(120)
+    go.set()
     time.sleep(random.Random(trial).uniform(0.0, 0.15))
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    child.kill()  # SIGKILL
+    child.join()
     if (path / "manifest.json").exists():
         assert version_at(path) in ((1, 2) if replacing else (2,))
     else:

@@ -180,15 +180,16 @@ def test_keys_and_ranges(make):
 
 
 def test_memory_bytes_counts_rows_and_map(make, backend):
-    n = 200 if backend == "numba-cuda" else 5000  # the simulator runs a Python thread per value
-    store = make(dim=128, state=1, num_shards=2)
-    store.set(torch.arange(n), torch.zeros(n, 128))
-    rows = n * 544
+    # the simulator runs a Python thread per value, of the rows and of the chunks they grow
+    n, dim, row = (200, 8, 64) if backend == "numba-cuda" else (5000, 128, 544)
+    store = make(dim=dim, state=1, num_shards=2)
+    assert store.layout.width * store.layout.itemsize == row  # 16-byte header, weights, padded state
+    store.set(torch.arange(n), torch.zeros(n, dim))
     # Rows in whole chunks of 1024 per shard, plus the id map: per-key objects in the
     # reference, a half-full table of 12-byte slots in numba, a table of 16-byte slots at most
-    # a quarter to a half full in torch, of 24-byte slots (key, block, bid) in numba-cuda.
+    # a quarter to a half full in torch, of 16-byte slots (key, block) in numba-cuda.
     per_key = {"reference": 160, "numba": 24, "torch": 64, "numba-cuda": 96}[backend]
-    assert rows <= store.memory_bytes() <= rows + 2 * 1024 * 544 + n * per_key + 4096
+    assert n * row <= store.memory_bytes() <= n * row + 2 * 1024 * row + n * per_key + 4096
 
 
 def test_eviction_by_count_age_norm_and_budget(make):
