@@ -1,11 +1,8 @@
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from torch import nn
 
+from leanstate._tools.ranks import forked
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.embedding import KeyedJaggedTensor, KVEmbeddingBag, KVEmbeddingBagCollection
 from leanstate.reference.row_format import header_words, unpack_metadata
@@ -200,14 +197,9 @@ def test_collection_takes_torchrec_shaped_input():
         )
 
 
-RESUME = textwrap.dedent(
-    """
-    import sys, torch
-    from leanstate.embedding import KVEmbeddingBag
-    from leanstate.checkpoint import load_checkpoint, save_checkpoint
-    from tests.compat.test_embedding import batch, make
-    optimizer, offloading, backend, path, phase = sys.argv[1:6]
-    bag = make(optimizer, offloading == "1", backend)
+def _train_half(optimizer: str, offloading: bool, backend: str, path: str, phase: str) -> None:
+    """In a process of its own: steps 0-2 and a save, or a load and steps 3-5 (rows to ``path``.rows)."""
+    bag = make(optimizer, offloading, backend)
     if phase == "load":
         extra = load_checkpoint(path, bag.checkpoint_tables())
         bag.load_extra_state(extra)
@@ -225,8 +217,6 @@ RESUME = textwrap.dedent(
         if bag.state_store is not None:
             rows.append(bag.state_store.get_rows(keys))
         torch.save(rows, path + ".rows")
-    """
-)
 
 
 def make(optimizer, offloading, backend):
@@ -254,9 +244,13 @@ def make(optimizer, offloading, backend):
 def test_resume_in_a_fresh_process_equals_training_straight_through(tmp_path, optimizer, offloading, backend):
     path = str(tmp_path / "ckpt")
 
-    def run(phase):
-        args = [optimizer, "1" if offloading else "0", backend, path, phase]
-        subprocess.run([sys.executable, "-c", RESUME, *args], check=True)
+    def run(phase):  # a fresh process (forked from a server that imported torch, not this one)
+        process = forked(_train_half).Process(
+            target=_train_half, args=(optimizer, offloading, backend, path, phase)
+        )
+        process.start()
+        process.join()
+        assert process.exitcode == 0, f"the {phase} process failed (its traceback is above)"
 
     run("save")
     run("load")
