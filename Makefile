@@ -25,9 +25,10 @@ demo: $(STAMP)
 	$(BIN)/python -m leanstate demo
 
 # The CUDA-simulator tests run in their own process (the variable must be set before numba
-# is imported; collecting none, exit 5, fails) beside the rest on two workers, a test file
-# to a worker (a file's ranks start once). Then, alone, the regression gate: a handful of
-# same-process ratios against peers, with a margin of 2.5x.
+# is imported; collecting none, exit 5, fails) beside the rest on three workers, a test
+# file to a worker (a file's ranks start once): the rest wait on ranks, subprocesses and
+# fsync a third of the time, which the third worker and the simulator fill. Then, alone,
+# the regression gate: a handful of same-process ratios against peers, with a margin of 2.5x.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cudasim test-main
 	$(BIN)/python -m leanstate bench --gate
@@ -36,7 +37,7 @@ test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m cudasim
 
 test-main: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not cudasim and not slow and not gpu"
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not cudasim and not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow"
