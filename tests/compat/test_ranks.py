@@ -12,23 +12,18 @@ def _report(rank: int, folder: str) -> None:
     Path(folder, f"rank{rank}.json").write_text(json.dumps({"parent": os.getppid()}))
 
 
-def test_each_rank_runs_once_forked_from_one_server():
-    import tempfile
-
+def test_each_rank_runs_once_forked_from_one_server(tmp_path):
     servers = set()
-    with tempfile.TemporaryDirectory() as folder:
-        for _ in range(2):  # the second start reuses the server the first one started
-            start_ranks(_report, (folder,), 3)
-            assert sorted(p.name for p in Path(folder).iterdir()) == [
-                "rank0.json",
-                "rank1.json",
-                "rank2.json",
-            ]
-            parents = {json.loads(p.read_text())["parent"] for p in Path(folder).iterdir()}
-            assert len(parents) == 1 and os.getpid() not in parents  # spawned ranks are the caller's
-            servers |= parents
-            for p in Path(folder).iterdir():
-                p.unlink()
+    for _ in range(2):  # the second start reuses the server the first one started
+        start_ranks(_report, (str(tmp_path),), 3)
+        reports = sorted(tmp_path.iterdir())
+        assert [p.name for p in reports] == ["rank0.json", "rank1.json", "rank2.json"]
+        parents = {json.loads(p.read_text())["parent"] for p in reports}
+        # one server is the parent of every rank; a spawned rank's parent would be this process
+        assert len(parents) == 1 and os.getpid() not in parents
+        servers |= parents
+        for p in reports:
+            p.unlink()
     assert len(servers) == 1
 
 
