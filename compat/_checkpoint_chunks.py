@@ -427,27 +427,29 @@ def read_in_place(
     slice_rows = max(1, slice_bytes // row_bytes)
     total = sum(chunk["rows"] for _, chunk in chunks)
     stop = threading.Event()
-    with engine.writing():
+    # The file's size is compared with the manifest before a block is claimed: a crafted
+    # row count can claim no more than the file really holds.
+    data = open_data_file(path, name, table["file"], table["bytes"])
+    with data, engine.writing():
         first = engine.claim(total)
         pool = memoryview(engine.rows[first : first + total].view(torch.uint8).numpy()).cast("B")
 
         update = CHECKSUMS[table["checksum"]]
 
         def read() -> Iterator[tuple[int, dict, int, int, bool, int]]:
-            with open_data_file(path, name, table["file"], table["bytes"]) as f:
-                done = 0
-                for index, chunk in chunks:
-                    f.seek(chunk["offset"])
-                    crc = 0
-                    for start in range(0, chunk["rows"], slice_rows):
-                        rows = min(slice_rows, chunk["rows"] - start)
-                        space = pool[done * row_bytes : (done + rows) * row_bytes]
-                        complete = f.readinto(space) == len(space)
-                        crc = update(space, crc)  # while the slice is still in cache
-                        if stop.is_set():
-                            raise _Stopped
-                        yield index, chunk, done, rows, complete, crc
-                        done += rows
+            done = 0
+            for index, chunk in chunks:
+                data.seek(chunk["offset"])
+                crc = 0
+                for start in range(0, chunk["rows"], slice_rows):
+                    rows = min(slice_rows, chunk["rows"] - start)
+                    space = pool[done * row_bytes : (done + rows) * row_bytes]
+                    complete = data.readinto(space) == len(space)
+                    crc = update(space, crc)  # while the slice is still in cache
+                    if stop.is_set():
+                        raise _Stopped
+                    yield index, chunk, done, rows, complete, crc
+                    done += rows
 
         faulted = 0
 

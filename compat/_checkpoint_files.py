@@ -159,10 +159,25 @@ def parse_manifest(file: Path) -> object:
     with open_regular(file, "manifest") as f:
         text = f.read()
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are distinct: a repeated key would leave one reader's value
+    different from another's."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (NaN and Infinity are not numbers of the format)")
 
 
 def read_manifest(path: str | os.PathLike) -> dict:

@@ -84,13 +84,18 @@ def targets_of(tables: Mapping[str, object], method: str) -> list[Target]:
 
 def check_table_name(name: object, method: str) -> None:
     """A table name becomes ``NAME.rows``: a plain, short, UTF-8 file name not starting with '.'."""
+    problem = table_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{method}: table name {name!r} {problem}")
+
+
+def table_name_problem(name: object) -> str | None:
+    """How ``name`` fails to be a table name (the same rule for arguments and manifests), or None."""
     if isinstance(name, str):
         try:
             name.encode()
         except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"{method}: table name {name!r} cannot be a file name (not encodable as UTF-8: {exc.reason})"
-            ) from None
+            return f"cannot be a file name (not encodable as UTF-8: {exc.reason})"
     if (
         not isinstance(name, str)
         or not plain_name(name)
@@ -98,10 +103,8 @@ def check_table_name(name: object, method: str) -> None:
         or "\0" in name
         or len(name.encode()) > MAX_NAME_BYTES
     ):
-        raise ValueError(
-            f"{method}: table name {name!r} must be a plain file name: not empty, no '/', not starting "
-            f"with '.', at most {MAX_NAME_BYTES} bytes"
-        )
+        return f"must be a plain file name: not empty, no '/', not starting with '.', at most {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,7 +112,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_chunk_bytes(method: str, chunk_bytes: object) -> None:
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    if not is_count(chunk_bytes) or chunk_bytes == 0:
         raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
 
 
@@ -155,26 +158,34 @@ def new_chunk_checksum(data: memoryview) -> int:
 
 
 def is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A JSON integer >= 0 (``type`` is ``int``: ``true`` and ``0.0`` are not counts)."""
+    return type(value) is int and value >= 0
 
 
 def is_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+    return is_count(value) and value < 2**63
+
+
+def is_crc(value: object) -> bool:
+    return is_count(value) and value < 2**32
 
 
 def plain_name(value: object) -> bool:
     return isinstance(value, str) and value == Path(value).name and value not in ("", ".", "..")
 
 
-def table_problem(key: str, table: object) -> str | None:
-    """The first way ``table`` breaks the manifest schema (naming its key), or None."""
+def table_problem(key: str, table: object, file: str | None = None) -> str | None:
+    """The first way ``table`` breaks the manifest schema (naming its key), or None.
+
+    ``file``: the name its ``file`` must have (version 1: ``NAME.rows``); ``None`` where
+    the entry lists its files elsewhere (version 2)."""
     if not isinstance(table, dict):
         return f"{key} must be an object"
     for field in ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows", "bytes"):
         if not is_count(table.get(field)):
             return f"{key}.{field} must be an int >= 0; got {table.get(field)!r}"
-    if not plain_name(table.get("file")):
-        return f"{key}.file must be a plain file name inside the checkpoint; got {table.get('file')!r}"
+    if file is not None and table.get("file") != file:
+        return f"{key}.file must be {file!r} (a plain name inside the checkpoint); got {table.get('file')!r}"
     if table.get("dtype") not in DTYPES:
         return f"{key}.dtype must be one of {sorted(DTYPES)}; got {table.get('dtype')!r}"
     if table.get("checksum") not in CHECKSUMS:
@@ -199,7 +210,7 @@ def table_problem(key: str, table: object) -> str | None:
             return f"{where} must be an object"
         if not (is_count(chunk.get("rows")) and chunk["rows"] > 0):
             return f"{where}.rows must be an int > 0; got {chunk.get('rows')!r}"
-        if chunk.get("offset") != offset:
+        if not is_count(chunk.get("offset")) or chunk["offset"] != offset:
             return f"{where}.offset is {chunk.get('offset')!r}; the chunks must be contiguous, so it must be {offset}"
         for field in ("min_id", "max_id"):
             if not is_id(chunk.get(field)):
@@ -208,7 +219,7 @@ def table_problem(key: str, table: object) -> str | None:
             return (
                 f"{where}: ids must ascend across chunks (min_id {chunk['min_id']}, max_id {chunk['max_id']})"
             )
-        if not (is_count(chunk.get("crc")) and chunk["crc"] < 2**32):
+        if not is_crc(chunk.get("crc")):
             return f"{where}.crc must be an unsigned 32-bit int; got {chunk.get('crc')!r}"
         offset += chunk["rows"] * layout.row_bytes
         rows += chunk["rows"]
@@ -222,44 +233,72 @@ def table_problem(key: str, table: object) -> str | None:
     return None
 
 
+REQUIRED_KEYS = ("format", "version", "tables", "views", "extra")
+
+
 def manifest_problem(manifest: object) -> str | None:
     """The first way ``manifest`` breaks the schema of ``spec/checkpoint_format.md``, or None."""
     if not isinstance(manifest, dict):
         return "the manifest must be a JSON object"
-    if manifest.get("format") != FORMAT_NAME:
-        return f"format {manifest.get('format')!r} is not {FORMAT_NAME!r}"
-    if manifest.get("version") == 2:
+    missing = [key for key in REQUIRED_KEYS if key not in manifest]
+    if missing:
+        return f"the required key {missing[0]!r} is missing"
+    if manifest["format"] != FORMAT_NAME:
+        return f"format {manifest['format']!r} is not {FORMAT_NAME!r}"
+    if is_count(manifest["version"]) and manifest["version"] == 2:
         return (
             "format version 2 was saved across ranks (bucket-major, one file per rank): load it with "
             "load_checkpoint(path, module.checkpoint_tables(), process_group=...) on every rank of a "
             "process group (one rank is fine)"
         )
-    if manifest.get("version") != FORMAT_VERSION:
+    if not is_count(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
         return (
-            f"format version {manifest.get('version')!r} is not supported "
-            f"(this leanstate reads version {FORMAT_VERSION})"
+            f"format version {manifest['version']!r} is not supported "
+            f"(this leanstate reads the JSON integer {FORMAT_VERSION})"
         )
-    tables = manifest.get("tables")
+    tables = manifest["tables"]
     if not isinstance(tables, dict):
         return "tables must be an object"
     for name, table in tables.items():
-        problem = table_problem(f"tables[{name!r}]", table)
+        key = f"tables[{name!r}]"
+        problem = table_name_problem(name)
+        problem = f"{key}: the name {problem}" if problem else table_problem(key, table, f"{name}.rows")
         if problem is not None:
             return problem
-    views = manifest.get("views", {})
+    return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+
+
+def views_problem(views: object, tables: dict) -> str | None:
+    """The first way the ``views`` object breaks the schema, or None."""
     if not isinstance(views, dict):
         return "views must be an object"
     for name, view in views.items():
-        if not isinstance(view, dict) or view.get("table") not in tables or not is_count(view.get("rows")):
-            return f"views[{name!r}] must name a saved table and its rows"
-    extra = manifest.get("extra")
-    if isinstance(extra, str) and plain_name(extra):  # written before extra had a CRC
+        key = f"views[{name!r}]"
+        problem = table_name_problem(name)
+        if problem is not None:
+            return f"{key}: the name {problem}"
+        if name in tables:
+            return f"{key}: a view cannot share its name with a table"
+        if not isinstance(view, dict) or view.get("table") not in tables:
+            return f"{key}.table must name a table of this checkpoint"
+        if not all(type(view.get(flag)) is bool for flag in ("whole_rows", "read_only")):
+            return f"{key}.whole_rows and .read_only must be true or false"
+        if not all(is_count(view.get(field)) for field in ("width_offset", "width", "rows")):
+            return f"{key}.width_offset, .width and .rows must be ints >= 0"
+        if view["width_offset"] + view["width"] > tables[view["table"]]["width"]:
+            return f"{key}: its columns run past the width of table {view['table']!r}"
+    return None
+
+
+def extra_problem(extra: object) -> str | None:
+    """The first way ``extra`` breaks the schema (null, the older bare file name, or
+    ``{file, bytes, crc}``, the file always ``extra.pt``), or None."""
+    if extra is None or extra == EXTRA_FILE:  # the bare name: written before extra had a CRC
         return None
-    if extra is not None:
-        if not isinstance(extra, dict) or not plain_name(extra.get("file")):
-            return f"extra must be null or {{file, bytes, crc}} with a plain file name; got {extra!r}"
-        if not (is_count(extra.get("bytes")) and is_count(extra.get("crc")) and extra["crc"] < 2**32):
-            return f"extra.bytes and extra.crc must be ints; got {extra!r}"
+    if not isinstance(extra, dict) or extra.get("file") != EXTRA_FILE:
+        return f"extra must be null or {{file, bytes, crc}} with file {EXTRA_FILE!r}; got {str(extra)[:200]}"
+    if not (is_count(extra.get("bytes")) and is_crc(extra.get("crc"))):
+        return f"extra.bytes and extra.crc must be ints (crc unsigned 32-bit); got {extra!r}"
     return None
 
 

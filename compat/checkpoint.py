@@ -48,6 +48,7 @@ from leanstate._checkpoint_format import (
     check_layout,
     chunks_in_range,
     in_range,
+    is_count,
     table_entry,
     targets_of,
 )
@@ -201,7 +202,7 @@ def _saved_across_ranks(path) -> bool:
         manifest = parse_manifest(Path(path) / MANIFEST)
     except (CheckpointError, OSError, TypeError):
         return False
-    return isinstance(manifest, dict) and manifest.get("version") == 2
+    return isinstance(manifest, dict) and is_count(manifest.get("version")) and manifest["version"] == 2
 
 
 def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None) -> dict[str, object]:

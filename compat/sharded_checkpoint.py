@@ -33,6 +33,7 @@ from leanstate._checkpoint_format import (
     check_chunk_bytes,
     check_layout,
     checked_problem,
+    extra_problem,
     is_count,
     layout_fields,
     plain_name,
@@ -156,7 +157,7 @@ def read_manifest_v2(path: Path) -> dict:
     if not os.path.lexists(file):
         return files.read_manifest(path)  # raises, naming what is missing
     manifest = files.parse_manifest(file)
-    if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or not (is_count(manifest.get("version")) and manifest["version"] == 2):
         return files.read_manifest(path)
     problem = checked_problem(_manifest_problem, manifest)
     if problem is not None:
@@ -165,10 +166,16 @@ def read_manifest_v2(path: Path) -> dict:
 
 
 def _manifest_problem(manifest: dict) -> str | None:
+    missing = [key for key in ("format", "version", "world_size", "tables", "extra") if key not in manifest]
+    if missing:
+        return f"the required key {missing[0]!r} is missing"
     if manifest.get("format") != FORMAT_NAME:
         return f"format is {manifest.get('format')!r}, not {FORMAT_NAME!r}"
     if not isinstance(manifest.get("tables"), dict):
         return "'tables' must be an object"
+    problem = extra_problem(manifest["extra"])
+    if problem is not None:
+        return problem
     for name, table in manifest["tables"].items():
         if not isinstance(table, dict) or not isinstance(table.get("files"), list):
             return f"tables[{name!r}] must be an object with a 'files' list"

@@ -13,13 +13,14 @@ contiguous byte range. The file is cut into chunks of whole rows; the manifest l
 each chunk's byte offset, row count, smallest and largest id and CRC-32C.
 
 Saving writes every file into a temporary sibling directory, fsyncs it, writes the
-manifest last and renames the directory into place. Loading reads the manifest,
-checks every chunk (size, CRC, ids ascending, the manifest's id range) before any row
-is applied, then applies the rows chunk by chunk with ``store.set_rows``. This module
-is the reference: no threads, locks, signal handling or pipelining; ``leanstate``'s
-``save_checkpoint`` / ``load_checkpoint`` are the hardened, faster implementation,
-held to this one by differential tests (identical bytes, identical loads, the same
-error classes). See ``spec/checkpoint_format.md``.
+manifest last and renames the directory into place. Loading checks the whole manifest
+against every rule of the format (``manifest_problem``), opens only regular files of
+the expected size, checks every chunk (CRC, ids ascending, the manifest's id range),
+and only then applies the rows with ``store.set_rows``. This is the textbook: it leaves
+out speed and crash-safety (threads, locks, signals, pipelining), never a check; the
+hardened ``leanstate.save_checkpoint`` / ``load_checkpoint`` are held to it by
+differential tests (identical bytes, loads and error classes). See
+``spec/checkpoint_format.md``.
 
 Example::
 
@@ -33,6 +34,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -48,6 +50,7 @@ FORMAT_NAME = "leanstate-whole-row"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 EXTRA_FILE = "extra.pt"
+MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # new chunks are written with CRC-32C; CRC-32 (zlib) is still read
@@ -207,7 +210,7 @@ def load_checkpoint(
     for name, value in tables.items():
         _check_name(name)
         if isinstance(value, KVTensor) and value.read_only:
-            value.ignored_writes += manifest.get("views", {}).get(name, {}).get("rows", 0)
+            value.ignored_writes += manifest["views"].get(name, {}).get("rows", 0)
             continue
         if isinstance(value, KVTensor) and not _is_whole(value):
             raise ValueError(f"load_checkpoint: tables[{name!r}] is a writable partial view")
@@ -232,72 +235,192 @@ def load_checkpoint(
 
 
 def _read_manifest(path: Path) -> dict:
+    """The manifest, parsed as plain JSON and checked against every rule of the format."""
     file = path / MANIFEST
-    if not file.exists():
+    if not os.path.lexists(file):
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist")
+    with _open_regular(file) as f:
+        text = f.read()
     try:
-        manifest = json.loads(file.read_bytes())
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{file}: not a {FORMAT_NAME} manifest")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: format version {manifest.get('version')!r} is not {FORMAT_VERSION}")
-    if not isinstance(manifest.get("tables"), dict):
-        raise CheckpointError(f"{file}: tables must be an object")
+        manifest = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, nesting too deep, 5,000-digit ints
+        raise CheckpointError(f"{file}: not plain JSON ({type(exc).__name__}: {str(exc)[:200]})") from exc
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise CheckpointError(f"{file}: {problem}")
     return manifest
 
 
-def _check_layout(path: Path, name: str, table: dict, layout: RowLayout) -> None:
-    """The saved table must have the store's layout, and its own fields must agree."""
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(value: object, low: int = 0, high: int = 2**63) -> bool:
+    """A JSON integer in ``[low, high)``: not a bool, not a float such as 0.0."""
+    return type(value) is int and low <= value < high
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """The first rule of ``spec/checkpoint_format.md`` that ``manifest`` breaks, in words, or None."""
+    if not isinstance(manifest, dict):
+        return "the manifest must be a JSON object"
+    missing = [key for key in ("format", "version", "tables", "views", "extra") if key not in manifest]
+    if missing:
+        return f"the key {missing[0]!r} is missing"
+    if manifest["format"] != FORMAT_NAME:
+        return f"format {manifest['format']!r} is not {FORMAT_NAME!r}"
+    if manifest["version"] == 2 and _is_int(manifest["version"]):
+        return "version 2 was saved across ranks: load it with leanstate.load_checkpoint(..., process_group=)"
+    if not _is_int(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
+        return f"version must be the JSON integer {FORMAT_VERSION}; got {manifest['version']!r}"
+    tables, views = manifest["tables"], manifest["views"]
+    if not isinstance(tables, dict) or not isinstance(views, dict):
+        return "tables and views must be objects"
+    for name, table in tables.items():
+        problem = _name_problem(name) or table_problem(name, table)
+        if problem is not None:
+            return f"tables[{name!r}]: {problem}"
+    for name, view in views.items():
+        problem = _name_problem(name) or _view_problem(name, view, tables)
+        if problem is not None:
+            return f"views[{name!r}]: {problem}"
+    return extra_problem(manifest["extra"])
+
+
+def table_problem(name: str, table: object) -> str | None:
+    """The first rule a table's entry breaks (its fields, layout, size and chunk list), or None."""
+    if not isinstance(table, dict):
+        return "must be an object"
+    fields = ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows", "bytes")
+    for field in fields:
+        if not _is_int(table.get(field)):
+            return f"{field} must be a JSON integer >= 0; got {table.get(field)!r}"
+    if table.get("file") != f"{name}.rows":
+        return f"file must be {name + '.rows'!r}; got {table.get('file')!r}"
+    if table.get("dtype") not in DTYPES or table.get("checksum") not in CHECKSUMS:
+        return f"dtype {table.get('dtype')!r} or checksum {table.get('checksum')!r} is unknown"
     try:
-        saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
-        agrees = (table["header_elems"], table["width"], table["row_bytes"]) == (
-            saved.header_elems,
-            saved.width,
-            saved.row_bytes,
+        layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
+    except ValueError as exc:
+        return str(exc)
+    derived = {"header_elems": layout.header_elems, "width": layout.width, "row_bytes": layout.row_bytes}
+    if any(table[field] != value for field, value in derived.items()):
+        return "header_elems, width and row_bytes are not what dim, optimizer_state_dim and dtype give"
+    if table["bytes"] != table["rows"] * layout.row_bytes:
+        return f"bytes is {table['bytes']}, not rows x row_bytes = {table['rows'] * layout.row_bytes}"
+    chunks = table.get("chunks")
+    if not isinstance(chunks, list):
+        return "chunks must be a list"
+    offset, rows, last_id = 0, 0, -1
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict):
+            return f"chunks[{i}] must be an object"
+        if not (_is_int(chunk.get("rows"), 1) and _is_int(chunk.get("crc"), 0, 2**32)):
+            return f"chunks[{i}]: rows must be an integer > 0 and crc an unsigned 32-bit integer"
+        if not (_is_int(chunk.get("offset")) and chunk["offset"] == offset):
+            return f"chunks[{i}].offset is {chunk.get('offset')!r}; the chunks are back to back, so it is {offset}"
+        if not (_is_int(chunk.get("min_id")) and _is_int(chunk.get("max_id"))):
+            return f"chunks[{i}]: min_id and max_id must be ids in [0, 2**63)"
+        if not last_id < chunk["min_id"] <= chunk["max_id"]:
+            return f"chunks[{i}]: ids must ascend: min_id {chunk['min_id']} after {last_id}"
+        offset, rows, last_id = (
+            offset + chunk["rows"] * layout.row_bytes,
+            rows + chunk["rows"],
+            chunk["max_id"],
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"table {name!r} in {path / MANIFEST} is malformed ({exc!r})") from exc
-    if not agrees:
-        raise CheckpointError(f"table {name!r} in {path / MANIFEST}: its width does not match its layout")
+    if rows != table["rows"]:
+        return f"the chunks hold {rows} rows; rows says {table['rows']}"
+    ends = (chunks[0]["min_id"], chunks[-1]["max_id"]) if chunks else (None, None)
+    if (table.get("min_id"), table.get("max_id")) != ends:
+        return f"min_id and max_id must be the first chunk's min_id and the last chunk's max_id {ends}"
+    return None
+
+
+def _view_problem(name: str, view: object, tables: dict) -> str | None:
+    if name in tables:
+        return "a view and a table share this name"
+    if not isinstance(view, dict) or view.get("table") not in tables:
+        return "must be an object whose table is a table of this checkpoint"
+    if not all(isinstance(view.get(flag), bool) for flag in ("whole_rows", "read_only")):
+        return "whole_rows and read_only must be true or false"
+    if not all(_is_int(view.get(field)) for field in ("width_offset", "width", "rows")):
+        return "width_offset, width and rows must be JSON integers >= 0"
+    if view["width_offset"] + view["width"] > tables[view["table"]]["width"]:
+        return "its columns run past the width of its table"
+    return None
+
+
+def extra_problem(extra: object) -> str | None:
+    """``null``, the older bare ``"extra.pt"``, or ``{file: "extra.pt", bytes, crc}``."""
+    if extra is None or extra == EXTRA_FILE:
+        return None
+    if not isinstance(extra, dict) or extra.get("file") != EXTRA_FILE:
+        return f"extra must be null or an object whose file is {EXTRA_FILE!r}; got {extra!r}"
+    if not (_is_int(extra.get("bytes")) and _is_int(extra.get("crc"), 0, 2**32)):
+        return "extra.bytes and extra.crc must be JSON integers (crc unsigned 32-bit)"
+    return None
+
+
+def _check_layout(path: Path, name: str, table: dict, layout: RowLayout) -> None:
+    """The saved table (its own fields already agree) must have the store's layout."""
+    saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
     if saved != layout:
         raise CheckpointError(
             f"table {name!r} in {path / MANIFEST} was saved as {saved}; the store is {layout}"
         )
 
 
+def _open_regular(file: Path, size: int | None = None):
+    """``file`` opened for reading only if it is a regular file of ``size`` bytes (when given).
+
+    ``O_NOFOLLOW`` refuses a symlink (it could point outside the checkpoint, or at
+    ``/dev/zero``); ``O_NONBLOCK`` keeps a FIFO from blocking the ``open``, and ``fstat``
+    then refuses it, a directory or a device. Comparing the size before any read means
+    nothing is read or allocated past what the file really holds.
+    """
+    try:
+        descriptor = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise CheckpointError(f"{file} is missing, a symlink or unreadable ({exc.strerror})") from exc
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode) or (size is not None and status.st_size != size):
+        os.close(descriptor)
+        raise CheckpointError(
+            f"{file} is not a regular file of {size} bytes (mode {status.st_mode:o}, {status.st_size} bytes)"
+        )
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
 def _read_chunks(
     path: Path, name: str, table: dict, chunks: list[tuple[int, dict]]
 ) -> Iterator[torch.Tensor]:
-    """The rows of each listed (index, chunk), checked: the file's size, then per chunk
-    its length, CRC, strictly ascending ids and the manifest's id range."""
+    """The rows of each listed (index, chunk), checked: the file is regular and ``bytes``
+    long, then per chunk its CRC, strictly ascending ids and the manifest's id range.
+    (The manifest's rules already hold: the chunks lie back to back inside ``bytes``.)"""
     file = path / table["file"]
-    if not file.is_file() or file.is_symlink():
-        raise CheckpointError(f"table {name!r}: data file {file} is missing or not a regular file")
-    if file.stat().st_size != table["bytes"]:
-        raise CheckpointError(f"table {name!r}: {file} has {file.stat().st_size} bytes, not {table['bytes']}")
-    checksum = CHECKSUMS.get(table.get("checksum"))
+    checksum = CHECKSUMS[table["checksum"]]
     layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
     last_id = -1
-    with open(file, "rb") as f:
+    with _open_regular(file, table["bytes"]) as f:
         for index, chunk in chunks:
             where = f"table {name!r}: chunk {index} of {file}"
-            try:
-                offset, count, crc = chunk["offset"], chunk["rows"], chunk["crc"]
-                f.seek(offset)
-                data = f.read(count * layout.row_bytes)
-            except (KeyError, TypeError, ValueError, OSError) as exc:
-                raise CheckpointError(f"{where}: malformed entry ({exc!r})") from exc
-            if len(data) != count * layout.row_bytes or count == 0:
-                raise CheckpointError(f"{where}: has {len(data)} bytes, not {count} rows")
-            if checksum is None or checksum(data) != crc:
-                raise CheckpointError(f"{where}: fails its {table.get('checksum')} check")
-            rows = torch.frombuffer(bytearray(data), dtype=layout.dtype).view(count, layout.width)
+            f.seek(chunk["offset"])
+            data = f.read(chunk["rows"] * layout.row_bytes)
+            if checksum(data) != chunk["crc"]:
+                raise CheckpointError(f"{where}: fails its {table['checksum']} check")
+            rows = torch.frombuffer(bytearray(data), dtype=layout.dtype).view(chunk["rows"], layout.width)
             ids = header_words(rows)[:, 0]
             if bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) <= last_id:
                 raise CheckpointError(f"{where}: its row ids do not ascend")
-            if (int(ids[0]), int(ids[-1])) != (chunk.get("min_id"), chunk.get("max_id")):
+            if (int(ids[0]), int(ids[-1])) != (chunk["min_id"], chunk["max_id"]):
                 raise CheckpointError(f"{where}: its ids are not the manifest's min_id..max_id")
             last_id = int(ids[-1])
             yield rows
@@ -305,17 +428,18 @@ def _read_chunks(
 
 def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
     """The dense extra state: size and CRC checked, loaded with ``weights_only=True``."""
-    extra = manifest.get("extra")
+    extra = manifest["extra"]
     if extra is None:
+        if os.path.lexists(path / EXTRA_FILE):  # the manifest does not describe this directory
+            raise CheckpointError(f"{path / MANIFEST} says there is no extra state, but {EXTRA_FILE} exists")
         return {}
     if isinstance(extra, str):  # the form written before extra had a size and CRC
         extra = {"file": extra}
     file = path / extra["file"]
-    if not file.is_file():
-        raise CheckpointError(f"extra state file {file} is missing")
-    data = file.read_bytes()
-    if "bytes" in extra and (len(data) != extra["bytes"] or crc32c.crc32c(data) != extra["crc"]):
-        raise CheckpointError(f"{file} does not match its size and crc32c in the manifest")
+    with _open_regular(file, extra.get("bytes")) as f:
+        data = f.read()
+    if "crc" in extra and crc32c.crc32c(data) != extra["crc"]:
+        raise CheckpointError(f"{file} does not match its crc32c in the manifest")
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
@@ -326,14 +450,20 @@ def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
 
 
 def _check_name(name: object) -> None:
+    problem = _name_problem(name)
+    if problem is not None:
+        raise ValueError(f"table name {name!r}: {problem}")
+
+
+def _name_problem(name: object) -> str | None:
     """A table name becomes ``NAME.rows``: a plain file name, not starting with '.'."""
-    if (
-        not isinstance(name, str)
-        or name != Path(name).name
-        or name in ("", ".", "..")
-        or name.startswith(".")
-    ):
-        raise ValueError(f"table name {name!r} must be a plain file name")
+    if not isinstance(name, str) or name != Path(name).name or name.startswith(".") or "\0" in name:
+        return "must be a plain file name (no '/', not starting with '.')"
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return "must be encodable as UTF-8"
+    return None if 0 < len(name.encode()) <= MAX_NAME_BYTES else f"must be 1 to {MAX_NAME_BYTES} bytes"
 
 
 def _checked_store(name: str, value: object) -> SupportsRows:

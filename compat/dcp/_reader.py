@@ -5,6 +5,7 @@ from their stored record into one reused buffer."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import stat
@@ -116,12 +117,10 @@ class SafeFileSystemReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative, items in per_file.items():  # every file and size checked before any read
+            self._check_sizes(Path(self.path) / relative, relative, items, planner)
         for relative, items in per_file.items():
             file = Path(self.path) / relative
-            if Path(relative).name != relative or not stat.S_ISREG(_lstat_mode(file)):
-                raise CheckpointError(
-                    f"{file} is not a regular file inside the checkpoint; refusing to read it"
-                )
             with open(file, "rb") as f:
                 for item in items:
                     info = self.storage_data[item.storage_index]
@@ -167,6 +166,31 @@ class SafeFileSystemReader(FileSystemReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _check_sizes(self, file: Path, relative: str, items: list[ReadItem], planner) -> None:
+        """``file`` is a regular file inside the checkpoint that holds every item's byte range,
+        and a KV chunk's rows fit its item: checked before anything is read or allocated, so a
+        crafted ``.metadata`` can size no buffer (and no store's reserve) past the real files."""
+        if Path(relative).name != relative or not stat.S_ISREG(_lstat_mode(file)):
+            raise CheckpointError(f"{file} is not a regular file inside the checkpoint; refusing to read it")
+        size = os.stat(file).st_size
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            rows_bytes = (
+                math.prod(item.lengths)
+                if isinstance(planner, KVLoadPlanner) and planner.accepts_loaded(item)
+                else 0
+            )
+            if (
+                info.offset < 0
+                or info.length < 0
+                or info.offset + info.length > size
+                or rows_bytes > info.length
+            ):
+                raise CheckpointError(
+                    f"{file}: {_describe(planner, item)} claims bytes {info.offset}..{info.offset + info.length} "
+                    f"({rows_bytes} of rows), but the file has {size} bytes; the checkpoint is corrupt"
+                )
 
 
 class _Slice(io.RawIOBase):

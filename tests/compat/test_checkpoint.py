@@ -281,7 +281,7 @@ def corrupt(path: Path, how: str) -> None:
         ("version", r"manifest\.json: format version 99 is not supported"),
         (
             "outside",
-            r"tables\['t'\]\.file must be a plain file name inside the checkpoint; got '\.\./evil\.rows'",
+            r"tables\['t'\]\.file must be 't\.rows' \(a plain name inside the checkpoint\); got '\.\./evil\.rows'",
         ),
         ("missing-file", r"data file .*t\.rows is missing"),
         ("format", r"format 'something-else'"),

@@ -9,8 +9,10 @@ raise the same error class and change no store.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -70,9 +72,9 @@ def same_rows(a, b):
     return all(torch.equal(x, y) for x, y in zip(rows_of(a), rows_of(b)))
 
 
-def fresh(store, holding=None):
+def fresh(store, holding=None, backend="reference"):
     layout = store.layout
-    out = KVStore(layout.dim, optimizer_state_dim=layout.state_dim, dtype=layout.dtype, backend="reference")
+    out = KVStore(layout.dim, optimizer_state_dim=layout.state_dim, dtype=layout.dtype, backend=backend)
     if holding is not None and len(holding):
         out.set_rows(store.get_rows(holding))
     return out
@@ -167,27 +169,168 @@ DAMAGE = {
 }
 
 
-@SETTINGS
-@given(tables(), st.sampled_from(sorted(DAMAGE)), st.integers(0, 2**20), st.booleans())
-def test_both_refuse_the_same_damage_with_the_same_error_class(tmp_path_factory, table, damage, at, live):
-    store, chunk_bytes, extra, _ = table
-    damage_fn, needs_rows = DAMAGE[damage]
-    if needs_rows and len(store) == 0:
-        damage_fn = DAMAGE["manifest not JSON"][0]
-    folder = tmp_path_factory.mktemp("bad")
-    reference.save_checkpoint(folder / "c", {"t": store}, extra=extra, chunk_bytes=chunk_bytes)
-    damage_fn(folder / "c", at)
+def _table(edit):
+    return _manifest(lambda m, at: edit(m["tables"]["t"], at))
+
+
+def _drop_chunk(where):
+    """A chunk removed from the list, the table's rows and bytes left as they were."""
+
+    def edit(table, at):
+        chunks = table["chunks"]
+        del chunks[{"first": 0, "middle": len(chunks) // 2, "last": -1}[where]]
+
+    return _table(edit)
+
+
+def _shift_offset(rows):
+    def edit(table, at):
+        chunks = table["chunks"]
+        i = max(1, at % len(chunks)) if len(chunks) > 1 else 0
+        chunks[i]["offset"] += rows * table["row_bytes"]
+
+    return _table(edit)
+
+
+def _edit_text(edit):
+    def damage(folder, at):
+        (folder / "manifest.json").write_text(edit((folder / "manifest.json").read_text()))
+
+    return damage
+
+
+def _replace_manifest(kind):
+    def damage(folder, at):
+        manifest = folder / "manifest.json"
+        if kind == "symlink":  # the same bytes, one link away
+            os.rename(manifest, folder / "real.json")
+            os.symlink(folder / "real.json", manifest)
+        else:
+            manifest.unlink()
+            os.mkfifo(manifest)
+
+    return damage
+
+
+def _view(**fields):
+    view = {"table": "t", "whole_rows": False, "width_offset": 0, "width": 1, "read_only": True, "rows": 1}
+    return _manifest(lambda m, at: m.update(views={"v": {**view, **fields}}))
+
+
+# Damage to the manifest's structure: each breaks a rule of the format's reader list
+# (spec/checkpoint_format.md) while every byte of the data stays sound.
+STRUCTURAL = {
+    "first chunk dropped": (_drop_chunk("first"), True),
+    "middle chunk dropped": (_drop_chunk("middle"), True),
+    "last chunk dropped": (_drop_chunk("last"), True),
+    "chunks overlap": (_shift_offset(-1), True),
+    "gap between chunks": (_shift_offset(1), True),
+    "file outside the checkpoint": (_table(lambda t, at: t.update(file="../other/t.rows")), False),
+    "absolute file": (_table(lambda t, at: t.update(file="/dev/zero")), False),
+    "file of another name": (_table(lambda t, at: t.update(file="u.rows")), False),
+    "extra file outside": (
+        _manifest(lambda m, at: m.update(extra={"file": "../x", "bytes": 1, "crc": 0})),
+        False,
+    ),
+    "table min_id off by one": (_table(lambda t, at: t.update(min_id=t["min_id"] - 1)), True),
+    "table max_id off by one": (_table(lambda t, at: t.update(max_id=t["max_id"] + 1)), True),
+    "bytes not rows x row_bytes": (_table(lambda t, at: t.update(bytes=t["bytes"] + 1)), False),
+    "extra null, file present": (
+        lambda f, at: (
+            _manifest(lambda m, at: m.update(extra=None))(f, at),
+            (f / "extra.pt").write_bytes(b"x"),
+        ),
+        False,
+    ),
+    "extra key missing": (_manifest(lambda m, at: m.pop("extra")), False),
+    "views key missing": (_manifest(lambda m, at: m.pop("views")), False),
+    "manifest is a symlink": (_replace_manifest("symlink"), False),
+    "manifest is a FIFO": (_replace_manifest("fifo"), False),
+    "views a list": (_manifest(lambda m, at: m.update(views=[])), False),
+    "view of a missing table": (_view(table="missing"), False),
+    "view rows a string": (_view(rows="3"), False),
+    "view past the row": (_view(width=10**6), False),
+    "view named like a table": (_manifest(lambda m, at: m.update(views={"t": m["views"].get("t")})), False),
+    "float offset": (_table(lambda t, at: t["chunks"][0].update(offset=0.0)), True),
+    "version 1.0": (_manifest(lambda m, at: m.update(version=1.0)), False),
+    "version true": (_manifest(lambda m, at: m.update(version=True)), False),
+    "version a string": (_manifest(lambda m, at: m.update(version="1")), False),
+    "unknown checksum": (_table(lambda t, at: t.update(checksum="md5")), False),
+    "NaN": (_manifest(lambda m, at: m["tables"]["t"].update(note=float("nan"))), False),
+    "duplicate key": (
+        _edit_text(lambda text: text.replace('"format"', '"version": 1, "format"', 1)),
+        False,
+    ),
+    "table name with a dot": (
+        _manifest(lambda m, at: m.update(tables={".t": {**m["tables"]["t"], "file": ".t.rows"}})),
+        False,
+    ),
+    "a huge row count": (
+        _table(
+            lambda t, at: t.update(
+                rows=2**40,
+                bytes=2**40 * t["row_bytes"],
+                max_id=2**62,
+                chunks=[{"offset": 0, "rows": 2**40, "min_id": 0, "max_id": 2**62, "crc": 0}],
+            )
+        ),
+        False,
+    ),
+    "nesting 100,000 deep": (
+        _edit_text(lambda text: text[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        False,
+    ),
+}
+
+
+def _refusals_agree(folder, damage_fn, at, store, live):
+    """Damage the checkpoint at ``folder``, load it with both implementations (the hardened
+    one into a store of the drawn backend, so an empty one takes its in-place path), and
+    return their outcomes: the error classes, with every store left as it was."""
+    damage_fn(folder, at)
     outcomes = []
-    for load in (reference.load_checkpoint, leanstate.load_checkpoint):
-        target = fresh(store, store.keys()[:3] if live else None)
+    for load, backend in (
+        (reference.load_checkpoint, "reference"),
+        (leanstate.load_checkpoint, store.backend),
+    ):
+        target = fresh(store, store.keys()[:3] if live else None, backend)
         before = rows_of(target)
         try:
-            load(folder / "c", {"t": target})
+            load(folder, {"t": target})
             outcome = None
         except Exception as exc:
             outcome = type(exc)
             after = rows_of(target)
-            assert all(torch.equal(x, y) for x, y in zip(before, after)), (load, damage)
+            assert all(torch.equal(x, y) for x, y in zip(before, after)), (load, exc)
         outcomes.append(outcome)
+    return outcomes
+
+
+@SETTINGS
+@given(tables(), st.sampled_from(sorted({**DAMAGE, **STRUCTURAL})), st.integers(0, 2**20), st.booleans())
+def test_both_refuse_the_same_damage_with_the_same_error_class(tmp_path_factory, table, damage, at, live):
+    store, chunk_bytes, extra, _ = table
+    damage_fn, needs_rows = {**DAMAGE, **STRUCTURAL}[damage]
+    if needs_rows and len(store) == 0:
+        damage_fn = DAMAGE["manifest not JSON"][0]
+    folder = tmp_path_factory.mktemp("bad")
+    reference.save_checkpoint(folder / "c", {"t": store}, extra=extra, chunk_bytes=chunk_bytes)
+    outcomes = _refusals_agree(folder / "c", damage_fn, at, store, live)
     assert outcomes[0] == outcomes[1], (damage, outcomes)
     shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("damage", sorted(STRUCTURAL))
+def test_both_refuse_structural_damage_to_the_manifest(tmp_path, damage):
+    """Every structural damage, on a table of several chunks with extra state and a view:
+    both refuse it with a CheckpointError, and no store changes."""
+    damage_fn, _ = STRUCTURAL[damage]
+    for backend, live in (("numba", False), ("torch", True), ("reference", False)):
+        store = KVStore(4, optimizer_state_dim=1, clock=FakeClock(7), backend=backend)
+        store.set(torch.arange(0, 300, 3), torch.randn(100, 4, generator=torch.Generator().manual_seed(3)))
+        folder = tmp_path / f"{backend}-{live}"
+        reference.save_checkpoint(
+            folder, saved_tables(store, True), extra={"step": 3}, chunk_bytes=20 * store.layout.row_bytes
+        )
+        outcomes = _refusals_agree(folder, damage_fn, 5, store, live)
+        assert outcomes == [leanstate.CheckpointError, leanstate.CheckpointError], (damage, backend, outcomes)

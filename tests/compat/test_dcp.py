@@ -131,6 +131,25 @@ def test_a_flipped_byte_names_the_table_and_chunk_and_changes_no_store(tmp_path)
     assert torch.equal(all_rows(live), before)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch", "reference"])
+def test_a_crafted_row_count_is_refused_before_anything_is_allocated(tmp_path, backend):
+    """A ``.metadata`` whose chunk claims 2**40 rows, with a storage length to match, while
+    the file holds 40: refused naming the file before a buffer or a store's reserve is
+    sized from it (the sizes are compared with the real files first)."""
+    source = filled(200, 4, 1, torch.float32)
+    kvdcp.save({"t": source}, checkpoint_id=tmp_path / "c", chunk_bytes=40 * source.layout.row_bytes)
+    metadata = kvdcp.SafeFileSystemReader(tmp_path / "c").read_metadata()
+    chunk = metadata.planner_data[kvdcp.INDEX_KEY]["tables"]["t"]["chunks"][3]
+    key = next(k for k in metadata.storage_data if k.fqn == "t/rows" and k.offset[0] == chunk[0])
+    chunk[1] = 2**40
+    metadata.storage_data[key].length = 2**40 * source.layout.row_bytes
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(metadata))
+    empty = KVStore(4, optimizer_state_dim=1, backend=backend)
+    with pytest.raises(CheckpointError, match=r"but the file has \d+ bytes"):
+        kvdcp.load({"t": empty}, checkpoint_id=tmp_path / "c")
+    assert len(empty) == 0
+
+
 class _WritesAFile:
     def __init__(self, path: str) -> None:
         self.path = path
