@@ -158,8 +158,8 @@ def new_chunk_checksum(data: memoryview) -> int:
 
 
 def is_count(value: object) -> bool:
-    """A JSON integer >= 0 (``type`` is ``int``: ``true`` and ``0.0`` are not counts)."""
-    return type(value) is int and value >= 0
+    """A JSON integer in [0, 2**63) (``type`` is ``int``: ``true`` and ``0.0`` are not counts)."""
+    return type(value) is int and 0 <= value < 2**63
 
 
 def is_id(value: object) -> bool:

@@ -115,17 +115,9 @@ def _split_tables(tables: Mapping) -> tuple[dict[str, SupportsRows], dict[str, d
         if isinstance(value, KVTensor) and not _is_whole(value):
             owner = next((n for n, store in whole.items() if store is value.store), None)
             if owner is None:
-                raise ValueError(
-                    f"save_checkpoint: tables[{name!r}] is a partial view whose store is not saved"
-                )
-            views[name] = {
-                "table": owner,
-                "whole_rows": value.whole_rows,
-                "width_offset": value.width_offset,
-                "width": value.width,
-                "read_only": value.read_only,
-                "rows": len(value.store),
-            }
+                raise ValueError(f"save_checkpoint: tables[{name!r}] is a partial view of a store not saved")
+            views[name] = dict(table=owner, whole_rows=value.whole_rows, width_offset=value.width_offset)
+            views[name].update(width=value.width, read_only=value.read_only, rows=len(value.store))
     return whole, views
 
 
@@ -141,14 +133,9 @@ def _write_table(store: SupportsRows, file: Path, chunk_bytes: int) -> dict:
             data = rows.contiguous().view(torch.uint8).numpy().tobytes()
             f.write(data)
             ids = header_words(rows)[:, 0]
+            crc = crc32c.crc32c(data)
             chunks.append(
-                {
-                    "offset": offset,
-                    "rows": len(rows),
-                    "min_id": int(ids[0]),
-                    "max_id": int(ids[-1]),
-                    "crc": crc32c.crc32c(data),
-                }
+                dict(offset=offset, rows=len(rows), min_id=int(ids[0]), max_id=int(ids[-1]), crc=crc)
             )
             offset += len(data)
         f.flush()
@@ -254,7 +241,9 @@ def _read_manifest(path: Path) -> dict:
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     keys = [key for key, _ in pairs]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+        raise ValueError(
+            f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice in one object"
+        )
     return dict(pairs)
 
 
@@ -330,11 +319,8 @@ def table_problem(name: str, table: object) -> str | None:
             return f"chunks[{i}]: min_id and max_id must be ids in [0, 2**63)"
         if not last_id < chunk["min_id"] <= chunk["max_id"]:
             return f"chunks[{i}]: ids must ascend: min_id {chunk['min_id']} after {last_id}"
-        offset, rows, last_id = (
-            offset + chunk["rows"] * layout.row_bytes,
-            rows + chunk["rows"],
-            chunk["max_id"],
-        )
+        offset, rows = offset + chunk["rows"] * layout.row_bytes, rows + chunk["rows"]
+        last_id = chunk["max_id"]
     if rows != table["rows"]:
         return f"the chunks hold {rows} rows; rows says {table['rows']}"
     ends = (chunks[0]["min_id"], chunks[-1]["max_id"]) if chunks else (None, None)

@@ -78,7 +78,7 @@ def row_bytes(fmt: str, key: int, ts: int, count: int, used: int, weight, state)
     return header + pack(fmt, body)
 
 
-def golden_checkpoint(folder: Path, fmt: str, checksum: str) -> None:
+def golden_checkpoint(folder: Path, fmt: str, checksum: str) -> dict:
     """A tiny whole-row checkpoint: dim 3, state 1, five rows in chunks of two."""
     folder.mkdir(exist_ok=True)
     dim, state_dim, rows_per_chunk = 3, 1, 2
@@ -126,6 +126,56 @@ def golden_checkpoint(folder: Path, fmt: str, checksum: str) -> None:
     }
     (folder / "t.rows").write_bytes(data)
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def damaged_manifests(manifest: dict) -> dict:
+    """Manifests that break one reader rule each (``spec/checkpoint_format.md``, R2-R8), beside
+    the sound rows of ``checkpoint_v1/``: each must be refused with a CheckpointError whose
+    message contains ``names``."""
+
+    def edited(edit) -> str:
+        copy = json.loads(json.dumps(manifest))
+        edit(copy)
+        return json.dumps(copy, indent=1)
+
+    table = lambda edit: edited(lambda m: edit(m["tables"]["t"]))  # noqa: E731
+    view = {
+        "table": "missing",
+        "whole_rows": False,
+        "width_offset": 0,
+        "width": 1,
+        "read_only": True,
+        "rows": 5,
+    }
+    sound = json.dumps(manifest, indent=1)
+    cases = [
+        ("last chunk dropped", "R6", table(lambda t: t["chunks"].pop()), "tables['t']"),
+        ("gap between chunks", "R6", table(lambda t: t["chunks"][1].update(offset=144)), "chunks[1].offset"),
+        (
+            "file outside the checkpoint",
+            "R4",
+            table(lambda t: t.update(file="../checkpoint_v1/t.rows")),
+            "file",
+        ),
+        ("version 1.0", "R3", edited(lambda m: m.update(version=1.0)), "version"),
+        ("extra key missing", "R3", edited(lambda m: m.pop("extra")), "'extra'"),
+        ("table max_id off by one", "R7", table(lambda t: t.update(max_id=41)), "max_id"),
+        ("unknown checksum", "R3", table(lambda t: t.update(checksum="md5")), "checksum"),
+        ("view of a missing table", "R8", edited(lambda m: m.update(views={"v": view})), "views['v']"),
+        ("NaN", "R2", table(lambda t: t.update(note=float("nan"))), "NaN"),
+        (
+            "repeated key",
+            "R2",
+            sound.replace('"format"', '"version": 1,\n "format"', 1),
+            "'version' appears twice",
+        ),
+    ]
+    return {
+        "rows_file": "checkpoint_v1/t.rows",
+        "error": "CheckpointError",
+        "cases": [{"name": n, "rule": r, "manifest": text, "names": names} for n, r, text, names in cases],
+    }
 
 
 def main() -> None:
@@ -182,8 +232,10 @@ def main() -> None:
         ("checksums.json", checksums),
     ):
         (HERE / name).write_text(json.dumps(payload, indent=1) + "\n")
-    golden_checkpoint(HERE / "checkpoint_v1", "f", "crc32")
+    golden = golden_checkpoint(HERE / "checkpoint_v1", "f", "crc32")
     golden_checkpoint(HERE / "checkpoint_v1_bf16_crc32c", "b", "crc32c")
+    damaged = damaged_manifests(golden)
+    (HERE / "checkpoint_v1_damaged.json").write_text(json.dumps(damaged, indent=1) + "\n")
 
 
 if __name__ == "__main__":

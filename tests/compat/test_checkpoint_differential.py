@@ -21,7 +21,7 @@ import leanstate
 from leanstate.kv_store import KVStore
 from leanstate.reference import checkpoint as reference
 from leanstate.reference.kv_tensor import KVTensor
-from tests.harness import FakeClock
+from tests.harness import VECTORS, FakeClock
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -334,3 +334,21 @@ def test_both_refuse_structural_damage_to_the_manifest(tmp_path, damage):
         )
         outcomes = _refusals_agree(folder, damage_fn, 5, store, live)
         assert outcomes == [leanstate.CheckpointError, leanstate.CheckpointError], (damage, backend, outcomes)
+
+
+GOLDEN_DAMAGE = json.loads((VECTORS / "checkpoint_v1_damaged.json").read_text())
+
+
+@pytest.mark.parametrize("case", GOLDEN_DAMAGE["cases"], ids=lambda case: case["name"])
+def test_the_golden_damaged_manifests_are_refused_by_both_naming_the_key(tmp_path, case):
+    """spec/vectors/checkpoint_v1_damaged.json: sound rows, a manifest breaking one rule;
+    both implementations give the vector's error, naming what it names."""
+    shutil.copy(VECTORS / GOLDEN_DAMAGE["rows_file"], tmp_path / "t.rows")
+    (tmp_path / "manifest.json").write_text(case["manifest"])
+    for load, backend in ((reference.load_checkpoint, "reference"), (leanstate.load_checkpoint, "numba")):
+        store = KVStore(3, optimizer_state_dim=1, backend=backend)
+        with pytest.raises(Exception) as raised:
+            load(tmp_path, {"t": store})
+        assert type(raised.value).__name__ == GOLDEN_DAMAGE["error"], (load, raised.value)
+        assert case["names"] in str(raised.value) and "manifest.json" in str(raised.value), raised.value
+        assert len(store) == 0
