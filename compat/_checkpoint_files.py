@@ -258,9 +258,7 @@ def staged(path: Path, method: str) -> Iterator[Path]:
     :class:`CheckpointError` naming ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(path)
-    staging = path.parent / f".{path.name}.saving-{secrets.token_hex(4)}"
-    lock = open(f"{staging}.lock", "w")  # held while saving: a later save leaves this one alone
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    staging, lock = _locked_staging_name(path)
     try:
         staging.mkdir()
         yield staging
@@ -275,6 +273,27 @@ def staged(path: Path, method: str) -> Iterator[Path]:
         raise
     finally:
         os.remove(lock.name)
+        lock.close()
+
+
+def _locked_staging_name(path: Path):
+    """A fresh staging name for a save of ``path`` and its lock file, open and locked.
+
+    Another save's cleanup may delete a lock file between its creation and our ``flock``
+    (it takes the lock, sees no staging directory and removes the file); the lock we then
+    take is on a deleted file, which protects nothing. So the lock counts only once the
+    file at the lock's path is still the one we locked; otherwise a new name is tried.
+    The staging directory is created only after this, so it never exists unlocked.
+    """
+    while True:
+        staging = path.parent / f".{path.name}.saving-{secrets.token_hex(4)}"
+        lock = open(f"{staging}.lock", "w")  # held while saving: a later save leaves this one alone
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock.name).st_ino == os.fstat(lock.fileno()).st_ino:
+                return staging, lock
+        except FileNotFoundError:
+            pass
         lock.close()
 
 

@@ -319,6 +319,34 @@ def test_the_next_save_removes_stale_staging_but_not_a_live_one(tmp_path):
     assert left == [".ck.saving-live0000", ".ck.saving-live0000.lock", "ck"]
 
 
+def test_a_cleanup_in_the_window_before_a_save_locks_changes_nothing(tmp_path, monkeypatch):
+    """Another save's stale-staging cleanup runs between this save's creation of its lock
+    file and its ``flock`` (the window forced here): the cleanup may take that unlocked
+    lock file for a dead save's. The save must still publish without an error, its
+    staging directory must never be seen unlocked, and nothing may be left behind."""
+    path = tmp_path / "ck"
+    real_flock = fcntl.flock
+    raced, staging_seen = [], []
+
+    def flock_after_a_cleanup(file, operation):
+        name = getattr(file, "name", "")
+        if operation == fcntl.LOCK_EX and str(name).endswith(".lock") and not raced:
+            raced.append(name)
+            staging_seen.append(Path(str(name).removesuffix(".lock")).exists())
+            _checkpoint_files.remove_stale_staging(path)  # another save starting now
+        return real_flock(file, operation)
+
+    monkeypatch.setattr(_checkpoint_files.fcntl, "flock", flock_after_a_cleanup)
+    save_checkpoint(path, {"t": filled(5)})
+    save_checkpoint(path, {"t": filled(7)})
+    finish_removals()
+    assert raced and staging_seen == [False]  # the staging directory comes after its lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    fresh = KVStore(6, optimizer_state_dim=2, backend="reference")
+    load_checkpoint(path, {"t": fresh})
+    assert len(fresh) == 7
+
+
 def test_the_hint_names_only_a_complete_previous_copy(tmp_path):
     path = tmp_path / "ck"
     half = tmp_path / ".ck.previous-aaaa0000"  # a copy whose deletion was interrupted
@@ -341,6 +369,15 @@ def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_lo
     held, release = threading.Event(), threading.Event()
     real_rmtree = _checkpoint_files.shutil.rmtree
 
+    marker_at_start = []
+
+    class Recorded(threading.Thread):
+        def start(self):
+            marker_at_start.extend((c / "manifest.json").exists() for c in tmp_path.glob(".ck.previous-*"))
+            super().start()
+
+    monkeypatch.setattr(_checkpoint_files.threading, "Thread", Recorded)
+
     def slow_rmtree(folder, **kwargs):
         held.set()
         release.wait(timeout=60)
@@ -351,6 +388,7 @@ def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_lo
     assert held.wait(timeout=60)
     copies = list(tmp_path.glob(".ck.previous-*"))
     assert len(copies) == 1 and not (copies[0] / "manifest.json").exists()
+    assert marker_at_start == [False]  # removed before the deletion began: never half-deleted and complete
     with pytest.raises(FileNotFoundError):
         read_manifest(copies[0])
     fresh = KVStore(6, optimizer_state_dim=2, backend="reference")
