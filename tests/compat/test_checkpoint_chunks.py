@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
 
 import leanstate
+from leanstate import _checkpoint_chunks
 from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
@@ -125,3 +127,78 @@ def test_a_flipped_byte_read_ahead_is_raised_after_the_slices_before_it(tmp_path
             if view is None:
                 verified.append(index)
     assert verified == list(range(len(chunks) - 1))
+
+
+def _flip_chunk(folder, index: int) -> None:
+    chunks = json.loads((folder / "manifest.json").read_text())["tables"]["t"]["chunks"]
+    rows = folder / "t.rows"
+    data = bytearray(rows.read_bytes())
+    data[chunks[index]["offset"] + 40] ^= 0x08
+    rows.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("before", ["a new store", "a store whose rows were all deleted"])
+@pytest.mark.parametrize("where", ["second", "middle", "last"])
+def test_a_failed_in_place_load_gives_back_exactly_its_own_blocks(tmp_path, monkeypatch, before, where):
+    """A bad chunk part way through an in-place load: the blocks it claimed are zeroed and
+    given back (and only those: in a store that held rows before, its blocks start past
+    the old ones, whose free list must survive), the reader stops writing before they are
+    zeroed, and every later insert, load and delete agrees with the reference.
+
+    The reader is held a moment inside each read past the bad chunk, so it is still
+    writing a slice when the caller finds the bad chunk: only a caller that stops it
+    before zeroing leaves clean blocks."""
+    source = filled("reference", 2000)
+    save_checkpoint(tmp_path / "good", {"t": source}, chunk_bytes=CHUNK)
+    save_checkpoint(tmp_path / "bad", {"t": source}, chunk_bytes=CHUNK)
+    chunks = json.loads((tmp_path / "bad" / "manifest.json").read_text())["tables"]["t"]["chunks"]
+    bad = {"second": 1, "middle": len(chunks) // 2, "last": len(chunks) - 1}[where]
+    _flip_chunk(tmp_path / "bad", bad)
+    past_bad = chunks[bad]["offset"] + chunks[bad]["rows"] * 64
+    real_open = _checkpoint_chunks.open_data_file
+
+    class HeldPastTheBadChunk:
+        def __init__(self, f):
+            self.f = f
+
+        def readinto(self, view):
+            if self.f.tell() >= past_bad:
+                time.sleep(0.3)
+            return self.f.readinto(view)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def held_if_bad(path, *rest):
+        f = real_open(path, *rest)
+        return HeldPastTheBadChunk(f) if path == tmp_path / "bad" else f
+
+    monkeypatch.setattr(_checkpoint_chunks, "open_data_file", held_if_bad)
+    stores = [
+        leanstate.KVStore(6, optimizer_state_dim=2, clock=FakeClock(5), backend=b)
+        for b in ("numba", "reference")
+    ]
+    old = torch.arange(50_000, 50_700)
+    for store in stores:
+        if before != "a new store":
+            store.set(old, torch.full((len(old), 8), 3.0))
+            store.delete(old)
+        with pytest.raises(CheckpointError, match="chunk"):
+            load_checkpoint(tmp_path / "bad", {"t": store}, chunk_bytes=CHUNK // 4)
+        assert len(store) == 0
+    assert isinstance(stores[0].engine, ReadsInPlace)
+    fresh = torch.arange(0, 9000, 3)  # more ids than the blocks given back, with ids of the load
+    for store in stores:
+        store.set(fresh, torch.ones(len(fresh), 3), width_offset=2)  # the other columns: initial rows
+    assert same_rows(*stores)
+    for store in stores:  # an in-place load again, into a store with a long free list
+        store.delete(store.keys())
+        load_checkpoint(tmp_path / "good", {"t": store}, chunk_bytes=CHUNK // 4)
+        store.set(old, torch.full((len(old), 8), 2.0))
+    assert same_rows(*stores) and len(stores[0]) == len(source) + len(old)
