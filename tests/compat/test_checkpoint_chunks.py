@@ -8,6 +8,7 @@ import json
 import threading
 import time
 
+import crc32c
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from leanstate import _checkpoint_chunks
 from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.reference import checkpoint as reference_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from tests.harness import FakeClock
 
@@ -202,3 +204,30 @@ def test_a_failed_in_place_load_gives_back_exactly_its_own_blocks(tmp_path, monk
         load_checkpoint(tmp_path / "good", {"t": store}, chunk_bytes=CHUNK // 4)
         store.set(old, torch.full((len(old), 8), 2.0))
     assert same_rows(*stores) and len(stores[0]) == len(source) + len(old)
+
+
+@pytest.mark.parametrize("at", [5, 16, 32, 33])  # inside a slice, and on the boundaries of 16-row slices
+@pytest.mark.parametrize("backend", ["numba", "torch", "reference"])
+def test_an_id_repeated_inside_a_chunk_is_refused_wherever_the_slices_cut(tmp_path, at, backend):
+    """A chunk whose row ``at`` repeats the id of row ``at - 1``, its CRC and id range
+    made to match: only the ascending-ids check can see it, inside a slice or across the
+    boundary of two (the check must carry the last id over), by every reader."""
+    source = filled("reference", 100)
+    save_checkpoint(tmp_path / "ck", {"t": source}, chunk_bytes=100 * 64)
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    (chunk,) = manifest["tables"]["t"]["chunks"]
+    data = bytearray((tmp_path / "ck" / "t.rows").read_bytes())
+    data[at * 64 : at * 64 + 8] = data[(at - 1) * 64 : (at - 1) * 64 + 8]
+    (tmp_path / "ck" / "t.rows").write_bytes(bytes(data))
+    chunk["crc"] = crc32c.crc32c(bytes(data))
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for live in (False, True):
+        store = filled(backend, 3) if live else leanstate.KVStore(6, optimizer_state_dim=2, backend=backend)
+        before = store.get_rows(store.keys())
+        with pytest.raises(CheckpointError, match="ascend"):
+            load_checkpoint(tmp_path / "ck", {"t": store}, chunk_bytes=16 * 64)
+        assert torch.equal(store.get_rows(store.keys()), before)
+    with pytest.raises(CheckpointError, match="ascend"):
+        reference_checkpoint.load_checkpoint(
+            tmp_path / "ck", {"t": leanstate.KVStore(6, optimizer_state_dim=2)}
+        )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 
+import crc32c
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -192,6 +194,28 @@ def _shift_offset(rows):
     return _table(edit)
 
 
+def _starts_at_the_last_id(folder, at):
+    """A chunk's first row carries the id the chunk before it ended on, and its min_id and
+    CRC say so (every chunk sound on its own: only the rule across chunks can see the
+    row that would be lost); with one chunk, its own range inverted."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    table = manifest["tables"]["t"]
+    chunks, row_bytes = table["chunks"], table["row_bytes"]
+    if len(chunks) == 1:
+        chunks[0]["min_id"] = chunks[0]["max_id"] + 1
+    else:
+        i = max(1, at % len(chunks))
+        data = bytearray((folder / "t.rows").read_bytes())
+        start, end = chunks[i]["offset"], chunks[i]["offset"] + chunks[i]["rows"] * row_bytes
+        data[start : start + 8] = data[start - row_bytes : start - row_bytes + 8]
+        (folder / "t.rows").write_bytes(bytes(data))
+        chunks[i]["min_id"] = chunks[i - 1]["max_id"]
+        chunks[i]["crc"] = (crc32c.crc32c if table["checksum"] == "crc32c" else zlib.crc32)(
+            bytes(data[start:end])
+        )
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
 def _edit_text(edit):
     def damage(folder, at):
         (folder / "manifest.json").write_text(edit((folder / "manifest.json").read_text()))
@@ -232,6 +256,7 @@ STRUCTURAL = {
         _manifest(lambda m, at: m.update(extra={"file": "../x", "bytes": 1, "crc": 0})),
         False,
     ),
+    "chunk starts at the previous chunk's last id": (_starts_at_the_last_id, True),
     "table min_id off by one": (_table(lambda t, at: t.update(min_id=t["min_id"] - 1)), True),
     "table max_id off by one": (_table(lambda t, at: t.update(max_id=t["max_id"] + 1)), True),
     "bytes not rows x row_bytes": (_table(lambda t, at: t.update(bytes=t["bytes"] + 1)), False),
