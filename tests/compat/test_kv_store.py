@@ -108,6 +108,24 @@ def test_get_rows_and_set_rows_round_trip_keeping_metadata(make):
     assert torch.equal(dst.get_rows(ids), src.get_rows(ids))
 
 
+@pytest.mark.parametrize("keys", [[1, 2, 2, 3], [4, 4, 9], [5, 8, 8], [7, 7, 7], [1, 3, 3, 3, 6, 6]])
+def test_set_rows_of_ascending_keys_with_repeats_keeps_one_row_per_key_the_last(make, keys):
+    """Rows sorted by key but with a key repeated (each occurrence with its own weights): a
+    shortcut for sorted, distinct rows (as a checkpoint's are) must not take them; the
+    store holds each key once, with its last row, as the reference does."""
+    source = make()
+    rows = source.get_rows(torch.tensor(keys))
+    header_words(rows)[:, 0] = torch.tensor(keys)
+    rows[:, source.layout.header_elems] = torch.arange(len(keys), dtype=rows.dtype)  # which occurrence
+    store = make()
+    store.set_rows(rows)
+    distinct = sorted(set(keys))
+    assert len(store) == len(distinct) and store.keys().tolist() == distinct
+    last = {key: i for i, key in enumerate(keys)}
+    got = store.get_rows(torch.tensor(distinct))[:, source.layout.header_elems]
+    assert got.tolist() == [float(last[key]) for key in distinct]
+
+
 def test_golden_row_bytes(make, vectors):
     v = vectors("rows.json")
     h = v["header"]
