@@ -1,0 +1,106 @@
+"""Version 2, the checkpoint saved across ranks (``leanstate.sharded_checkpoint``), on its
+own: bucket-major files whose every chunk holds one bucket, loaded at any world size.
+Here one gloo rank in this process saves; the loads run with ``process_group=None``
+(one process owns every bucket). The scenarios at 2-4 ranks are in
+``test_sharded_embedding.py``."""
+
+from __future__ import annotations
+
+import json
+
+import crc32c
+import pytest
+import torch
+import torch.distributed as dist
+
+from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
+from leanstate.reference.sharding import BucketedTable
+from leanstate.sharded_checkpoint import last_load_stats, load_sharded
+
+BUCKETS, BUCKET_SIZE = 8, 100  # ids 0..799: bucket = id // 100
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def filled(backend: str = "reference") -> KVStore:
+    store = KVStore(4, optimizer_state_dim=1, backend=backend, clock=lambda: 77)
+    ids = torch.arange(0, 800, 3)
+    store.set(ids, torch.randn(len(ids), 4, generator=torch.Generator().manual_seed(1)))
+    return store
+
+
+@pytest.fixture
+def saved(tmp_path, group):
+    path = tmp_path / "v2"
+    table = BucketedTable(filled(), BUCKETS, BUCKET_SIZE)
+    save_checkpoint(path, {"t": table}, process_group=group, chunk_bytes=10 * table.store.layout.row_bytes)
+    return path
+
+
+def table_of(store: KVStore, bucket_size: int | None = BUCKET_SIZE, buckets: int = BUCKETS) -> dict:
+    return {"t": BucketedTable(store, buckets, bucket_size)}
+
+
+def rows_of(store: KVStore) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = store.keys()
+    return keys, store.get_rows(keys).view(torch.int32)
+
+
+def test_a_load_into_live_stores_counts_each_byte_once(saved):
+    """Into stores that hold rows, every chunk is read twice (verify, then apply), but the
+    load's statistics are those of the apply: the file's bytes and rows, once."""
+    manifest = json.loads((saved / "manifest.json").read_text())
+    (entry,) = manifest["tables"]["t"]["files"]
+    for store in (KVStore(4, optimizer_state_dim=1), filled("numba")):  # empty: one pass; live: two
+        load_sharded(saved, table_of(store), process_group=None)
+        assert last_load_stats == {
+            "bytes_read": entry["bytes"],
+            "chunks_read": len(entry["chunks"]),
+            "rows_loaded": manifest["tables"]["t"]["rows"],
+        }
+        assert torch.equal(rows_of(store)[0], filled().keys())
+
+
+@pytest.mark.parametrize("bucket_size", [50, 200, None])
+def test_the_same_bucket_count_of_another_bucket_size_is_refused(saved, bucket_size):
+    """Buckets of another size (or interleaved ones) put the same ids in other buckets: a
+    module built so must be refused, naming both bucketings, though the counts agree."""
+    store = KVStore(4, optimizer_state_dim=1)
+    with pytest.raises(CheckpointError, match="saved with 8 buckets of 100 consecutive ids"):
+        load_sharded(saved, table_of(store, bucket_size), process_group=None)
+    assert len(store) == 0
+
+
+@pytest.mark.parametrize("row", ["first", "last"])
+@pytest.mark.parametrize("live", [False, True])
+def test_a_chunk_holding_an_id_of_another_bucket_is_refused(saved, row, live):
+    """One row of a chunk moved to another bucket's id (its ids still ascending, the chunk's
+    id range and CRC made to match): only the check that *every* row lies in the chunk's
+    bucket sees it; the load is refused and changes no store."""
+    manifest = json.loads((saved / "manifest.json").read_text())
+    table = manifest["tables"]["t"]
+    (entry,) = table["files"]
+    index = next(i for i, c in enumerate(entry["chunks"]) if c["bucket"] == 3 and c["rows"] > 2)
+    chunk, row_bytes = entry["chunks"][index], table["row_bytes"]
+    file = saved / entry["file"]
+    data = bytearray(file.read_bytes())
+    at = chunk["offset"] if row == "first" else chunk["offset"] + (chunk["rows"] - 1) * row_bytes
+    moved = 250 if row == "first" else 401  # bucket 2 below the chunk, bucket 4 above it
+    data[at : at + 8] = moved.to_bytes(8, "little")
+    file.write_bytes(bytes(data))
+    chunk["min_id" if row == "first" else "max_id"] = moved
+    chunk["crc"] = crc32c.crc32c(bytes(data[chunk["offset"] : chunk["offset"] + chunk["rows"] * row_bytes]))
+    (saved / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    store = filled("numba") if live else KVStore(4, optimizer_state_dim=1, backend="numba")
+    before = rows_of(store)
+    with pytest.raises(CheckpointError, match="outside bucket 3"):
+        load_checkpoint(saved, {"t": store})  # a plain store: one process takes every rank's rows
+    after = rows_of(store)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
