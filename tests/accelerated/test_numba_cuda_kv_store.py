@@ -51,7 +51,9 @@ def test_what_a_batch_stores_does_not_depend_on_its_order():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_initial_rows_are_the_references_bits(dtype):
-    ids = torch.tensor([0, 1, 7, 2**40, 2**63 - 1])
+    # 111, 140, 1042 and 1313 each draw a float32 weight exactly halfway between two
+    # bfloat16 values with an even lower one: round-to-nearest-even and round-half-up differ
+    ids = torch.tensor([0, 1, 7, 2**40, 2**63 - 1, 111, 140, 1042, 1313])
     store = leanstate.KVStore(9, seed=2**64 - 5, init_range=(-1.0, 3.0), dtype=dtype, backend="numba-cuda")
     rows = store.engine.initial_rows(ids)
     first = store.layout.weight_offset
