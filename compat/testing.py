@@ -27,10 +27,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
-from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.database import ExampleDatabase
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
@@ -43,6 +44,7 @@ __all__ = [
     "StoreMachine",
     "WrapperConformance",
     "ZeroConformance",
+    "row_difference",
     "run_store_machine",
     "same_bits",
 ]
@@ -54,6 +56,60 @@ _EDGES = (0, 1, 2**62, 2**63 - 2, 2**63 - 1)
 _POOL = st.integers(-2, 40) | st.sampled_from(_EDGES)
 _IDS = st.lists(_POOL, min_size=0, max_size=16)
 _FLOATS = st.integers(-8, 8).map(lambda x: x / 4)  # exact in every dtype
+
+
+def row_difference(mine: torch.Tensor, reference: torch.Tensor, ids, layout: RowLayout) -> str | None:
+    """Where two batches of whole rows first differ, in words (the id, and the header field
+    or the weight or state column), or None when they are bit-identical."""
+    if mine.shape != reference.shape or mine.dtype != reference.dtype:
+        return f"rows of shape {tuple(mine.shape)} {mine.dtype}, the reference {tuple(reference.shape)} {reference.dtype}"
+    ids = torch.as_tensor(ids).tolist()
+    mine_words, ref_words = header_words(mine.contiguous()), header_words(reference.contiguous())
+    fields = ("timestamp", "count", "used")
+    for row, key in enumerate(ids):
+        if int(mine_words[row, 0]) != int(ref_words[row, 0]):
+            return f"id {key}: header key {int(mine_words[row, 0])}, the reference {int(ref_words[row, 0])}"
+        got, want = (unpack_metadata(w[row : row + 1, 1]) for w in (mine_words, ref_words))
+        for name, a, b in zip(fields, got, want):
+            if int(a) != int(b):
+                return f"id {key}: header {name} {int(a)}, the reference {int(b)}"
+        a, b = (r[row].contiguous().view(_BITS[r.element_size()]) for r in (mine, reference))
+        for column in torch.nonzero(a != b).flatten().tolist():
+            if column < layout.weight_offset:
+                continue
+            part, index = (
+                ("weight", column - layout.weight_offset)
+                if column < layout.state_offset
+                else ("state", column - layout.state_offset)
+            )
+            if part == "weight" and index >= layout.dim:
+                part = "weight padding"
+            value, expected = mine[row, column].item(), reference[row, column].item()
+            return f"id {key}: {part} column {index} is {value}, the reference {expected}"
+    return None
+
+
+_BITS = {4: torch.int32, 2: torch.int16}
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.tolist()})" if value.numel() <= 24 else f"tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
+def _first_cell(reference: torch.Tensor, mine: torch.Tensor, ids) -> str:
+    """The first position where two results differ, naming the id of its row."""
+    if reference.shape != mine.shape or reference.dtype != mine.dtype:
+        return f"shape {tuple(mine.shape)} {mine.dtype}, the reference {tuple(reference.shape)} {reference.dtype}"
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[reference.element_size()]
+    where = torch.nonzero(reference.contiguous().view(bits) != mine.contiguous().view(bits))
+    if len(where) == 0:
+        return "no difference"
+    row, *column = where[0].tolist()
+    key = ids[row] if row < len(ids) else row
+    at = f"id {key}" + (f", column {column[0]}" if column else "")
+    return f"{at}: {mine[tuple(where[0].tolist())].item()}, the reference {reference[tuple(where[0].tolist())].item()}"
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -94,9 +150,17 @@ class StoreMachine(RuleBasedStateMachine):
         options = dict(optimizer_state_dim=STATE, dtype=dtype, seed=seed, clock=self.clock)
         self.ref = _reference(DIM, **options)
         self.mine = self.make_store(DIM, **options)
+        self.ops = [f"a {dtype} store, seed {seed}"]
 
     def both(self, method, *args, **kwargs):
+        shown = [_shown(a) for a in args] + [f"{k}={_shown(v)}" for k, v in kwargs.items()]
+        self.ops.append(f"{method}({', '.join(shown)})")
         return getattr(self.ref, method)(*args, **kwargs), getattr(self.mine, method)(*args, **kwargs)
+
+    def fail(self, what: str) -> None:
+        """Raise naming what differs and the operations that led there."""
+        steps = "\n  ".join(self.ops[-12:])
+        raise AssertionError(f"{what}\nafter (the last {min(12, len(self.ops))} operations):\n  {steps}")
 
     @rule(ids=_IDS, offset=st.integers(0, 8), data=st.data())
     def set(self, ids, offset, data):
@@ -109,14 +173,20 @@ class StoreMachine(RuleBasedStateMachine):
     def get(self, ids, offset, data):
         width = data.draw(st.none() | st.integers(0, self.layout.value_width - offset))
         a, b = self.both("get", torch.tensor(ids, dtype=torch.int64), width_offset=offset, width=width)
-        assert same_bits(a, b), f"get(ids={ids}, width_offset={offset}, width={width}) differs"
+        if not same_bits(a, b):
+            self.fail(
+                f"get(ids={ids}, width_offset={offset}, width={width}) differs: {_first_cell(a, b, ids)}"
+            )
 
     @rule(ids=_IDS)
     def reads(self, ids):
         ids = torch.tensor(ids, dtype=torch.int64)
         for method in ("get_rows", "metadata", "contains"):
             a, b = self.both(method, ids)
-            assert same_bits(a, b), f"{method}({ids.tolist()}) differs"
+            if method == "get_rows" and not same_bits(b, a):
+                self.fail(f"get_rows: {row_difference(b, a, ids, self.layout)}")
+            if not same_bits(a, b):
+                self.fail(f"{method}({ids.tolist()}) differs: {_first_cell(a, b, ids.tolist())}")
 
     @rule(
         ids=st.lists(st.integers(0, 40) | st.sampled_from(_EDGES), max_size=8),
@@ -131,14 +201,16 @@ class StoreMachine(RuleBasedStateMachine):
         header_words(rows)[:, 1] = pack_metadata(
             torch.tensor(stamps[: len(ids)]), torch.tensor(counts[: len(ids)]), torch.full((len(ids),), used)
         )
-        before = rows.clone()
+        before = rows.clone()  # a copy: an alias would change with the rows it guards
         self.both("set_rows", rows)
-        assert same_bits(rows, before), "set_rows wrote into the caller's rows"
+        if not same_bits(rows, before):
+            self.fail("set_rows wrote into the caller's rows (it must copy them)")
 
     @rule(ids=_IDS)
     def delete(self, ids):
         a, b = self.both("delete", torch.tensor(ids, dtype=torch.int64))
-        assert a == b, f"delete({ids}) returned {b}, the reference {a}"
+        if a != b:
+            self.fail(f"delete({ids}) returned {b}, the reference {a} (the count of ids removed)")
 
     @rule(seconds=st.integers(0, 50))
     def tick(self, seconds):
@@ -154,36 +226,78 @@ class StoreMachine(RuleBasedStateMachine):
     def evict(self, min_count, max_age_s, min_l2_norm, max_rows):
         policy = dict(min_count=min_count, max_age_s=max_age_s, min_l2_norm=min_l2_norm, max_rows=max_rows)
         a, b = self.both("evict", **policy)
-        assert torch.equal(a, b), f"evict({policy}) evicted {b.tolist()}, the reference {a.tolist()}"
+        if not torch.equal(a, b):
+            self.fail(f"evict({policy}) evicted ids {b.tolist()}, the reference {a.tolist()}")
 
     @rule(lo=st.integers(-5, 45) | st.sampled_from(_EDGES), span=st.integers(0, 50) | st.just(2**63))
     def keys_in_range(self, lo, span):
         hi = min(lo + span, 2**63)  # up to the end of the id space
         a, b = self.both("keys_in_range", lo, hi)
-        assert torch.equal(a, b), f"keys_in_range({lo}, {hi}) differs"
+        if not torch.equal(a, b):
+            self.fail(f"keys_in_range({lo}, {hi}) gave {b.tolist()}, the reference {a.tolist()}")
 
     @invariant()
     def same_rows(self):
         if hasattr(self, "ref"):
             keys = self.ref.keys()
-            assert torch.equal(keys, self.mine.keys()), "keys() differ (ids, or not ascending)"
-            assert len(self.ref) == len(self.mine), (
-                f"len() is {len(self.mine)}, the reference {len(self.ref)}"
-            )
-            assert same_bits(self.ref.get_rows(keys), self.mine.get_rows(keys)), "whole rows differ"
+            mine = self.mine.keys()
+            if not torch.equal(keys, mine):
+                self.fail(f"keys() gave {mine.tolist()}, the reference {keys.tolist()} (ids, ascending)")
+            if len(self.ref) != len(self.mine):
+                self.fail(f"len() is {len(self.mine)}, the reference {len(self.ref)}")
+            difference = row_difference(self.mine.get_rows(keys), self.ref.get_rows(keys), keys, self.layout)
+            if difference is not None:
+                self.fail(f"whole rows differ: {difference}")
 
 
-def run_store_machine(make_store, examples: int = 60, steps: int = 30) -> None:
-    """Run :class:`StoreMachine` on ``make_store``; raises on the first difference (shrunk)."""
-    machine = type("StoreMachineFor", (StoreMachine,), {"make_store": staticmethod(make_store)})
-    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None)
+def run_store_machine(
+    make_store, examples: int = 60, steps: int = 30, *, settings: hypothesis.settings | None = None
+) -> None:
+    """Run :class:`StoreMachine` on ``make_store``; raises on the first difference (shrunk).
+
+    ``settings`` (hypothesis's) replace ``examples`` and ``steps`` when given (a seed,
+    a profile's database, ``derandomize``...). Each store keeps its own failing examples
+    in hypothesis's database, keyed by ``make_store``'s name, so one store's failure is
+    replayed on that store, not on the next one checked.
+    """
+    name = getattr(make_store, "__qualname__", type(make_store).__qualname__)
+    module = getattr(make_store, "__module__", "")
+    machine = type(
+        f"StoreMachineFor[{module}.{name}]", (StoreMachine,), {"make_store": staticmethod(make_store)}
+    )
+    chosen = settings or hypothesis.settings(max_examples=examples, stateful_step_count=steps, deadline=None)
+    if chosen.database is not None:
+        chosen = hypothesis.settings(chosen, database=_KeyedDatabase(chosen.database, f"{module}.{name}"))
+    machine.TestCase.settings = chosen
     machine.TestCase().runTest()
+
+
+class _KeyedDatabase(ExampleDatabase):
+    """``database`` with every key prefixed by ``prefix``: the state machines of different
+    stores share one test function, so hypothesis would give them one key."""
+
+    def __init__(self, database: ExampleDatabase, prefix: str) -> None:
+        super().__init__()
+        self.database, self.prefix = database, prefix.encode() + b":"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.database.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes):
+        return self.database.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.database.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.database.move(self.prefix + src, self.prefix + dest, value)
 
 
 class KVStoreConformance:
     """Checks for a KV store; a subclass provides the fixture ``make_store`` (see the module)."""
 
     examples = 60  # hypothesis examples of the state machine
+    settings: hypothesis.settings | None = None  # or hypothesis settings for the machine (a seed, a profile)
 
     def _pair(self, make_store, **options):
         options = {
@@ -196,7 +310,7 @@ class KVStoreConformance:
         return _reference(DIM, **options), make_store(DIM, **options), options["clock"]
 
     def test_random_operations_match_the_reference(self, make_store):
-        run_store_machine(make_store, self.examples)
+        run_store_machine(make_store, self.examples, settings=self.settings)
 
     def test_missing_ids_read_their_initial_rows(self, make_store):
         for seed in (0, 7, 2**63 + 5):
@@ -282,6 +396,85 @@ class KVStoreConformance:
             assert same_bits(fresh.get_rows(ref.keys()), ref.get_rows(ref.keys())), (
                 "a loaded checkpoint's rows differ: set_rows must write each row by its header's key"
             )
+
+    def test_out_buffers_are_filled_and_returned(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        ids = torch.tensor([3, 8, 2**62, -1])
+        for store in (ref, mine):
+            store.set(ids[:2], torch.arange(2 * DIM, dtype=torch.float32).reshape(2, DIM))
+        out = torch.full((4, ref.layout.value_width), -9.0)
+        got = mine.get(ids, out=out)
+        assert got.data_ptr() == out.data_ptr(), "get(out=) must return out itself, not a new tensor"
+        assert same_bits(out, ref.get(ids)), (
+            f"get(out=) left out unfilled: {_first_cell(ref.get(ids), out, ids)}"
+        )
+        rows = torch.full((4, ref.layout.width), -9.0)
+        got = mine.get_rows(ids, out=rows)
+        assert got.data_ptr() == rows.data_ptr(), "get_rows(out=) must return out itself, not a new tensor"
+        difference = row_difference(rows, ref.get_rows(ids), ids, ref.layout)
+        assert difference is None, f"get_rows(out=) left out unfilled: {difference}"
+
+    @pytest.mark.parametrize("dim", [1, 64, 65, 129, 300])
+    def test_initial_rows_of_any_width(self, make_store, dim):
+        ids = torch.tensor([0, 9, 2**40 + 3, 2**63 - 1])
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            options = dict(optimizer_state_dim=2, dtype=dtype, seed=11, clock=_Clock())
+            ref, mine = _reference(dim, **options), make_store(dim, **options)
+            difference = row_difference(mine.get(ids), ref.get(ids), ids, RowLayout(dim, 0, dtype))
+            assert difference is None, f"initial rows of a {dtype} store of dim {dim}: {difference}".replace(
+                "weight column", "column"
+            )
+
+    def test_set_rows_refuses_a_negative_key_and_changes_nothing(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        mine.set(torch.tensor([1, 2]), torch.ones(2, DIM))
+        before = mine.get_rows(torch.tensor([1, 2, 5]))
+        rows = ref.get_rows(torch.tensor([5, 6]))
+        header_words(rows)[:, 0] = torch.tensor([5, -3])
+        with pytest.raises(ValueError):
+            mine.set_rows(rows)
+        assert len(mine) == 2, "set_rows with a negative key must raise and insert nothing (not skip the row)"
+        assert same_bits(mine.get_rows(torch.tensor([1, 2, 5])), before), "a refused set_rows changed rows"
+
+    def test_counts_saturate_at_2_to_the_31_minus_1(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        for store in (ref, mine):
+            rows = store.get_rows(torch.tensor([4, 7]))
+            header_words(rows)[:, 0] = torch.tensor([4, 7])
+            header_words(rows)[:, 1] = pack_metadata(
+                torch.tensor([5, 5]), torch.tensor([COUNT_MAX - 1, COUNT_MAX]), torch.tensor([True, True])
+            )
+            store.set_rows(rows)
+            for _ in range(3):
+                store.set(torch.tensor([4, 7, 7]), torch.ones(3, DIM))
+        ids = torch.tensor([4, 7])
+        difference = row_difference(mine.get_rows(ids), ref.get_rows(ids), ids, ref.layout)
+        assert difference is None, f"counts must stop at {COUNT_MAX}, not wrap: {difference}"
+
+    def test_eviction_to_a_row_budget_drops_least_used_then_oldest(self, make_store):
+        ref, mine, clock = self._pair(make_store)
+        for store in (ref, mine):  # ties in count, broken by timestamp against the id order
+            for now, ids in ((300, [1, 2]), (100, [8, 9]), (200, [5])):
+                clock.now = now
+                store.set(torch.tensor(ids), torch.ones(len(ids), DIM))
+        clock.now = 400
+        for budget in (4, 2, 0):
+            a, b = ref.evict(max_rows=budget), mine.evict(max_rows=budget)
+            assert a.tolist() == b.tolist(), (
+                f"evict(max_rows={budget}) evicted ids {b.tolist()}, the reference {a.tolist()} "
+                "(the least used first, ties broken by the oldest timestamp, then the smallest id)"
+            )
+
+    def test_l2_norm_eviction_reads_the_weights_not_the_state(self, make_store):
+        ref, mine, _ = self._pair(make_store)
+        for store in (ref, mine):
+            store.set(torch.tensor([1, 2, 3]), torch.full((3, DIM), 0.001))
+            store.set(torch.tensor([1, 2]), torch.full((2, STATE), 50.0), width_offset=ref.layout.padded_dim)
+        a, b = ref.evict(min_l2_norm=0.5), mine.evict(min_l2_norm=0.5)
+        assert a.tolist() == b.tolist(), (
+            f"evict(min_l2_norm=0.5) evicted ids {b.tolist()}, the reference {a.tolist()} "
+            "(the norm is of the weight columns only, not the optimizer state)"
+        )
 
     def test_drop_in_details(self, make_store):
         ref, mine, _ = self._pair(make_store)
