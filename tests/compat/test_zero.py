@@ -195,6 +195,47 @@ def state_dicts(rank, world, folder):
                 assert torch.equal(after["state"][key][field], value), ("changed by a later step", key, field)
 
 
+def assert_same_state(ours: dict, theirs: dict, what: str) -> None:
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]], what
+    assert ours["state"].keys() == theirs["state"].keys(), what
+    for key, entry in theirs["state"].items():
+        assert entry.keys() == ours["state"][key].keys(), (what, key)
+        for field, value in entry.items():
+            assert torch.equal(ours["state"][key][field], value), (what, key, field)
+
+
+def consolidation_moves(rank, world, folder):
+    """A consolidation to another rank takes the consolidated state away from the rank that
+    held it: consolidated to rank 0, a step, then to the last rank, rank 0's ``state_dict()``
+    raises ``RuntimeError`` (torch's class where nothing is consolidated) instead of
+    returning the state of before the step, and the last rank's is the state after it; and
+    back to rank 0 after one more step. The textbook is held to the same. A rank notes what
+    is wrong and goes on, so that the ranks' collectives stay in step."""
+    cls, kwargs = OPTIMIZERS["adam"]
+    problems = []
+    for implementation in (ZeroRedundancyOptimizer, textbook.ZeroRedundancyOptimizer):
+        zero_model, plain_model = make_model(), make_model()
+        zero = implementation(zero_model.parameters(), cls, **kwargs)
+        plain = cls(plain_model.parameters(), **kwargs)
+        name = implementation.__module__
+        for moves, to in enumerate((0, world - 1, 0)):
+            train_pair(zero_model, plain_model, zero, plain, 2, rank, start=2 * moves, flips=False)
+            zero.consolidate_state_dict(to=to)
+            try:
+                if rank == to:
+                    assert_same_state(zero.state_dict(), plain.state_dict(), f"consolidated to {to}")
+                    continue
+                zero.state_dict()
+            except RuntimeError as exc:
+                if "consolidate_state_dict" not in str(exc):
+                    problems.append(f"{name}: rank {rank}, consolidated to {to}: {exc}")
+            except AssertionError as exc:
+                problems.append(f"{name}: {exc}")
+            else:
+                problems.append(f"{name}: rank {rank} kept a state consolidated before to={to}")
+    assert not problems, problems
+
+
 def empty_shard(rank, world, folder):
     cls, kwargs = OPTIMIZERS["sgd"]
     torch.manual_seed(0)
@@ -377,6 +418,7 @@ SCENARIOS = {
     "add-param-group": add_param_group,
     "clipping": clipping,
     "state-dicts": state_dicts,
+    "consolidation-moves": consolidation_moves,
     "elastic-save": elastic_save,
     "partition": partition,
     "dense-types": dense_types,
@@ -395,9 +437,9 @@ COMMON = [
 BY_WORLD = {
     1: [*COMMON, "elastic-resume", "dense-types"],
     2: [*COMMON, "reference-adam-bucket", "reference-sgd-per-param", "elastic-save", "partition", "rebuild"]
-    + ["dense-types", "join", "frozen-apart-bucket"],
+    + ["dense-types", "join", "frozen-apart-bucket", "consolidation-moves"],
     3: [*COMMON, "reference-adam-bucket", "empty-shard", "elastic-resume", "partition", "join"]
-    + ["frozen-apart-bucket"],
+    + ["frozen-apart-bucket", "consolidation-moves"],
     4: ["parity-adam-bucket", "parity-sgd-per-param", "state-dicts", "subgroup", "frozen-apart-per-param"],
 }
 
