@@ -23,11 +23,13 @@ import torch.distributed.checkpoint as stock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore, KVTensor, save_checkpoint
 from leanstate._tools.cli import main
+from leanstate.reference.sharding import BucketedTable
 from tests.compat.sharded_models import (
     assert_rows_match,
     build,
@@ -219,6 +221,145 @@ def test_the_planners_work_with_dcp_directly(tmp_path):
     assert planner.stats["t"]["rows"] == 120
 
 
+# -- several files per rank: chunks that arrive before their CRC ------------------------
+
+
+def save_in_files(state, path, threads: int, chunk_bytes: int, process_group=None) -> None:
+    """``state`` saved by DCP's own writer with ``threads`` threads: each saving rank's items
+    spread over ``threads`` files, so a table's CRC and its chunks may lie in different files."""
+    stock.save(
+        state,
+        storage_writer=FileSystemWriter(path, thread_count=threads),
+        planner=kvdcp.KVSavePlanner(chunk_bytes=chunk_bytes),
+        process_group=process_group,
+        no_dist=process_group is None,
+    )
+
+
+class _Arrivals(kvdcp.KVLoadPlanner):
+    """A verifying load planner that notes the order in which the KV items reach it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(verify_only=True, **kwargs)
+        self.arrived: list[tuple[str, int, int]] = []
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        self.arrived.append((read_item.dest_index.fqn, read_item.dest_offsets[0], read_item.lengths[0]))
+        super().commit_tensor(read_item, tensor)
+
+    def commit_loaded(self, read_item, rows) -> None:
+        self.arrived.append((read_item.dest_index.fqn, read_item.dest_offsets[0], read_item.lengths[0]))
+        super().commit_loaded(read_item, rows)
+
+
+def chunks_before_their_crc(path, state, process_group=None) -> list[tuple[str, int]]:
+    """(table, chunk) of every chunk whose rows reach the load planner before the CRC item
+    that covers them (its file is read before the file holding the CRC), in a verifying
+    load of ``state`` (KV tables only)."""
+    tables = kvdcp.SafeFileSystemReader(path).read_metadata().planner_data[kvdcp.INDEX_KEY]["tables"]
+    planner = _Arrivals(process_group=process_group)
+    stock.load(
+        state,
+        storage_reader=kvdcp.SafeFileSystemReader(path),
+        planner=planner,
+        process_group=process_group,
+        no_dist=process_group is None,
+    )
+    known: dict[str, set[int]] = {table: set() for table in tables}
+    early = []
+    for key, start, length in planner.arrived:
+        table, suffix = key.rsplit("/", 1)
+        if suffix == "crc":
+            known[table].update(range(start, start + length))
+        elif suffix == "rows":
+            k = next(i for i, chunk in enumerate(tables[table]["chunks"]) if chunk[0] == start)
+            if k not in known[table]:
+                early.append((table, k))
+    return early
+
+
+# (tables, writer threads, rows per table): several of them put a table's chunks in a file
+# read before the file holding its CRC
+SHAPES = [(tables, threads, n) for tables in (2, 3, 4) for threads in (2, 3, 4) for n in (10, 40)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_chunks_that_arrive_before_their_crc_load_bit_exactly(tmp_path):
+    """Sound checkpoints of several tables whose items DCP's writer spread over several files:
+    a file read early holds chunks of a table whose CRC lies in a file read later. Each
+    loads bit for bit, into empty and into live stores (verify pass, then apply pass): such
+    a chunk's CRC is compared once every KV item has arrived, not before (a count of the KV
+    items that leaves out the CRC and schema items compares too early and fails sound
+    checkpoints, or compares too late and never). The shapes do hold such chunks (checked,
+    so that the test keeps its point if the writer changes)."""
+    early = 0
+    for tables, threads, n in SHAPES:
+        path = tmp_path / f"c{tables}-{threads}-{n}"
+        sources = {f"t{i}": filled(n + 13 * i, 4, 1, torch.float32, seed=i) for i in range(tables)}
+        chunk_bytes = 20 * sources["t0"].layout.row_bytes
+        save_in_files({"dense": {"w": torch.arange(6.0)}, **sources}, path, threads, chunk_bytes)
+        for live in (False, True):
+            shape = (tables, threads, n, "live" if live else "empty")
+            targets = {
+                name: filled(15, 4, 1, torch.float32, seed=50 + i)
+                if live
+                else KVStore(4, optimizer_state_dim=1)
+                for i, name in enumerate(sources)
+            }
+            before = {name: (t.keys(), all_rows(t).view(torch.uint8).clone()) for name, t in targets.items()}
+            state = {"dense": {"w": torch.zeros(6)}, **targets}
+            kvdcp.load(state, checkpoint_id=path)
+            assert torch.equal(state["dense"]["w"], torch.arange(6.0)), shape
+            for name, source in sources.items():
+                target, (old_keys, old_rows) = targets[name], before[name]
+                assert set(target.keys().tolist()) == set(source.keys().tolist()) | set(old_keys.tolist())
+                got = target.get_rows(source.keys()).view(torch.uint8)
+                assert torch.equal(got, all_rows(source).view(torch.uint8)), (shape, name)
+                kept = ~torch.isin(old_keys, source.keys())
+                assert torch.equal(target.get_rows(old_keys[kept]).view(torch.uint8), old_rows[kept]), shape
+        empty = {name: KVStore(4, optimizer_state_dim=1) for name in sources}
+        early += len(chunks_before_their_crc(path, empty))
+    assert early, "no shape delivers a chunk before its CRC: the test no longer covers that order"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_bad_chunk_that_arrives_before_its_crc_is_refused_and_changes_no_store(tmp_path):
+    """A flipped byte in a chunk read before the CRC that covers it (several files, several
+    tables): the chunk's CRC is compared once the CRC arrives, so the load fails naming the
+    table and chunk, and no store changes, empty or live."""
+    sources = {f"t{i}": filled(40 + 13 * i, 4, 1, torch.float32, seed=i) for i in range(4)}
+    path = tmp_path / "c"
+    save_in_files(sources, path, 4, 20 * sources["t0"].layout.row_bytes)
+    early = chunks_before_their_crc(path, {name: KVStore(4, optimizer_state_dim=1) for name in sources})
+    assert early, "this shape no longer delivers a chunk before its CRC"
+    table, k = early[-1]
+    metadata = kvdcp.SafeFileSystemReader(path).read_metadata()
+    offset = metadata.planner_data[kvdcp.INDEX_KEY]["tables"][table]["chunks"][k][0]
+    info = next(
+        v
+        for key, v in metadata.storage_data.items()
+        if key.fqn == f"{table}/rows" and key.offset[0] == offset
+    )
+    file = path / info.relative_path
+    data = bytearray(file.read_bytes())
+    rows = torch.load(io.BytesIO(bytes(data[info.offset : info.offset + info.length])), weights_only=True)
+    start = data.find(rows.numpy().tobytes(), info.offset, info.offset + info.length)
+    assert start > 0
+    data[start + rows.shape[1] + 9] ^= 0x04  # a byte of the chunk's second row, past its id
+    file.write_bytes(bytes(data))
+    for live in (False, True):
+        targets = {
+            name: filled(15, 4, 1, torch.float32, seed=50 + i) if live else KVStore(4, optimizer_state_dim=1)
+            for i, name in enumerate(sources)
+        }
+        before = {name: (t.keys(), all_rows(t).view(torch.uint8).clone()) for name, t in targets.items()}
+        with pytest.raises(CheckpointError, match=rf"table '{table}'.*chunk {k} fails its crc32c check"):
+            kvdcp.load(dict(targets), checkpoint_id=path)
+        for name, target in targets.items():
+            assert torch.equal(target.keys(), before[name][0]), (name, live)
+            assert torch.equal(all_rows(target).view(torch.uint8), before[name][1]), (name, live)
+
+
 def test_layout_mismatch_and_missing_tables_are_named(tmp_path):
     kvdcp.save({"t": filled(10, 4, 1, torch.float32)}, checkpoint_id=tmp_path / "c")
     with pytest.raises(CheckpointError, match=r"dim 4 vs the store's 8"):
@@ -372,18 +513,81 @@ def bad_chunk(rank, world, folder):
     assert all(len(fresh.embedding_bags[t].store) == 0 for t in TABLES)
 
 
+# (tables, writer threads) of the checkpoints saved in several files per rank
+FILE_SHAPES = [(tables, threads) for tables in (2, 3, 4) for threads in (2, 3, 4)]
+BUCKETINGS = [(8, 16), (6, None), (10, 4), (5, None)]  # (buckets, bucket_size): chunk mode, interleaved
+
+
+def bucketed(i: int, rank: int, world: int, *, empty: bool = False) -> BucketedTable:
+    """Table ``i`` as rank ``rank`` of ``world`` holds it: the rows of the ids it owns (none
+    when ``empty``); each table has its own width and bucketing."""
+    buckets, size = BUCKETINGS[i]
+    table = BucketedTable(KVStore(3 + i, optimizer_state_dim=1, seed=i), buckets, size)
+    if not empty:
+        ids = torch.randperm(200, generator=torch.Generator().manual_seed(i))[: 40 + 11 * i] * 3 + i
+        mine = ids[table.owner(ids, world) == rank]
+        generator = torch.Generator().manual_seed(100 * i + rank)
+        table.store.set(mine, torch.randn(len(mine), 3 + i, generator=generator))
+    return table
+
+
+def save_in_files_at(rank, world, folder):
+    """Save every shape of ``FILE_SHAPES`` from this world, each rank's items spread over
+    several files by DCP's writer; record every rank's rows."""
+    for tables, threads in FILE_SHAPES:
+        state = {f"t{i}": bucketed(i, rank, world) for i in range(tables)}
+        path = Path(folder, f"files{world}-{tables}-{threads}")
+        save_in_files(state, path, threads, 7 * 64, process_group=dist.group.WORLD)
+        rows = {name: (t.store.keys(), t.store.get_rows(t.store.keys())) for name, t in state.items()}
+        torch.save(rows, Path(folder, f"files{world}-{tables}-{threads}-rows{rank}.pt"))
+
+
+def load_in_files_from(saved_world: int):
+    """Load what ``save_in_files_at`` saved at ``saved_world``: each rank holds exactly the rows
+    it owns, bit for bit, although some chunks reach a rank before their CRC."""
+
+    def scenario(rank, world, folder):
+        early = 0
+        for tables, threads in FILE_SHAPES:
+            path = Path(folder, f"files{saved_world}-{tables}-{threads}")
+            state = {f"t{i}": bucketed(i, rank, world, empty=True) for i in range(tables)}
+            kvdcp.load(dict(state), checkpoint_id=path, process_group=dist.group.WORLD)
+            saved = [
+                torch.load(Path(folder, f"files{saved_world}-{tables}-{threads}-rows{r}.pt"))
+                for r in range(saved_world)
+            ]
+            for name, table in state.items():
+                ids = torch.cat([part[name][0] for part in saved])
+                rows = torch.cat([part[name][1] for part in saved])
+                ids, order = ids.sort()
+                mine = table.owner(ids, world) == rank
+                shape = (tables, threads, name)
+                assert torch.equal(table.store.keys(), ids[mine]), shape
+                got = table.store.get_rows(ids[mine]).view(torch.uint8)
+                assert torch.equal(got, rows[order][mine].view(torch.uint8)), shape
+            empty = {f"t{i}": bucketed(i, rank, world, empty=True) for i in range(tables)}
+            early += len(chunks_before_their_crc(path, empty, dist.group.WORLD))
+        everyone = torch.tensor([early])
+        dist.all_reduce(everyone)
+        assert int(everyone) > 0, "no chunk reached a rank before its CRC: the scenario lost its point"
+
+    return scenario
+
+
 SCENARIOS = {
     "save": save_at,
     "load-1": load_from(1),
     "load-2": load_from(2),
     "load-3": load_from(3),
     "bad-chunk": bad_chunk,
+    "save-files": save_in_files_at,
+    "load-files-2": load_in_files_from(2),
 }
 RUNS = [  # in order: each later world loads what an earlier one saved; (W, W') as named
     (3, ["save", "bad-chunk"]),
-    (2, ["save", "load-3", "bad-chunk"]),  # 3 -> 2
-    (1, ["save", "load-1", "load-3"]),  # 1 -> 1, 3 -> 1
-    (3, ["load-2", "load-1"]),  # 2 -> 3, 1 -> 3
+    (2, ["save", "load-3", "bad-chunk", "save-files", "load-files-2"]),  # 3 -> 2; 2 -> 2 in files
+    (1, ["save", "load-1", "load-3", "load-files-2"]),  # 1 -> 1, 3 -> 1; 2 -> 1 in files
+    (3, ["load-2", "load-1", "load-files-2"]),  # 2 -> 3, 1 -> 3; 2 -> 3 in files
 ]
 
 
