@@ -2,9 +2,10 @@
 
 Round trips are byte-exact for every table and the dense part; elastic loads across 1-3
 gloo ranks give each rank exactly the rows it owns and train on as one process trained
-straight through; a bad chunk on any rank changes no store on any rank; a crafted
-``.metadata`` runs nothing; the stock planner's misuse names the fix; load memory is
-flat in the table size.
+straight through; checkpoints written in several files per rank, whose chunks can reach a
+rank before their CRC, load bit for bit; a bad chunk on any rank changes no store on any
+rank; a crafted ``.metadata`` runs nothing; the stock planner's misuse names the fix; load
+memory is flat in the table size.
 """
 
 from __future__ import annotations
