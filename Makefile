@@ -28,7 +28,8 @@ demo: $(STAMP)
 # is imported; collecting none, exit 5, fails) beside the rest on three workers, a test
 # file to a worker (a file's ranks start once): the rest wait on ranks, subprocesses and
 # fsync a third of the time, which the third worker and the simulator fill. Then, alone,
-# the regression gate: a handful of same-process ratios against peers, with a margin of 2.5x.
+# the regression gate: this tree's hot paths against its baseline commit's (HEAD when the
+# sources changed, else HEAD~1), rounds interleaved; a figure fails above 2x its time.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cudasim test-main
 	$(BIN)/python -m leanstate bench --gate
@@ -51,16 +52,11 @@ bench: $(STAMP)
 	cd asv_bench && LEANSTATE_ASV=quick ../$(BIN)/asv run -E existing:$(abspath $(BIN)/python) \
 		--set-commit-hash $$(git rev-parse HEAD) --bench "$(BENCH)"
 
-# What got slower or faster between $(OLD) and the working tree: the quick bench of each in
-# this one venv (the old sources from git, on PYTHONPATH), compared beyond the rounds' spread.
+# What got slower or faster between $(OLD) and the working tree: both trees' hot paths in
+# two worker processes (the old sources from git), their rounds interleaved, judged on the
+# median of the paired time ratios and a sign test (compat/_tools/gate.py).
 bench-compare: $(STAMP)
-	rm -rf .bench-old && mkdir -p .bench-old/src
-	git archive $(OLD) compat reference accelerated | tar -x -C .bench-old/src
-	mv .bench-old/src/compat .bench-old/leanstate
-	mv .bench-old/src/reference .bench-old/src/accelerated .bench-old/leanstate/
-	cd .bench-old && PYTHONPATH=$(abspath .bench-old) ../$(BIN)/python -m leanstate bench --quick --json old.json
-	$(BIN)/python -m leanstate bench --quick --json .bench-old/new.json
-	$(BIN)/python -m leanstate bench --compare .bench-old/old.json .bench-old/new.json
+	$(BIN)/python -m leanstate bench --against $(OLD) --rounds 9
 
 # A history page that opens offline (file://, no scripts): asv_bench/html-offline/index.html
 bench-html: $(STAMP)

@@ -436,7 +436,8 @@ FULL_SIZES = {"rows": 200_000, "checkpoint_rows": 1_000_000, "batch": 16_384, "d
 
 def main(args) -> int:
     """``python -m leanstate bench``: the table (``--quick``: smaller sizes, fewer rounds),
-    or ``--gate``, ``--compare OLD NEW`` or ``--html DIR``."""
+    or ``--gate`` / ``--against REV`` (this tree against a commit, rounds interleaved),
+    ``--compare OLD NEW`` (two ``--json`` files) or ``--html DIR``."""
     import csv
     import json
     import subprocess
@@ -444,12 +445,11 @@ def main(args) -> int:
     import time
     import warnings
 
-    if args.gate:
+    if args.gate or args.against:
         from leanstate._tools import gate
 
-        verdicts = gate.run()
-        print(gate.report(verdicts))
-        return 0 if all(v.passed for v in verdicts) else 1
+        record = Path(args.json) if args.json else None
+        return gate.main(args.against, gate=args.gate, rounds=args.rounds, record=record)
     if args.compare:
         from leanstate._tools import history
 

@@ -138,7 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     bench.add_argument("--plot", metavar="PNG", help="also draw each ratio beside its target (matplotlib)")
     bench.add_argument(
-        "--gate", action="store_true", help="the regression gate of make test; exit 1 on a FAIL"
+        "--gate",
+        action="store_true",
+        help="the regression gate of make test: this tree against a baseline commit; exit 1 on a FAIL",
+    )
+    bench.add_argument(
+        "--against",
+        metavar="REV",
+        help="with --gate, the baseline (default HEAD if the sources changed, else HEAD~1); "
+        "alone: what got slower or faster than REV, the two trees' rounds interleaved",
+    )
+    bench.add_argument(
+        "--rounds", type=int, default=7, metavar="N", help="paired rounds of --gate/--against (7)"
     )
     bench.add_argument(
         "--compare",

@@ -1,107 +1,235 @@
-"""``python -m leanstate bench --gate``: the cheap regression gate ``make test`` runs.
+"""``python -m leanstate bench --gate``: the regression gate ``make test`` runs, and the
+paired comparison behind ``make bench-compare``.
 
-A handful of figures, each leanstate's time beside a peer's in the same process, read as
-the throughput ratio (peer time / leanstate time, higher is better). Each round times
-leanstate then the peer once; the best of the rounds counts, which a busy machine
-disturbs least. A figure fails when its ratio falls below its floor: the ratio measured
-on a quiet 2-core machine divided by ``MARGIN``. ``MARGIN`` (2.5) is wide enough that
-load and machine differences do not trip it and narrow enough that a 3x slowdown of
-leanstate's side always does (``tests/compat/test_gate.py`` plants one).
+A ratio against a peer timed in the same process is too noisy on a shared 2-core machine
+to catch a 3x slowdown (one unchanged figure read 0.34 and 12.7 in two runs: the peer's
+time moves more than ours). So the gate compares leanstate with itself: this tree and a
+baseline commit (its sources from git), each in its own worker process running the same
+hot paths (``_gate_worker.py``: store get, set and insert; whole-row, version-2 and DCP
+save and load; an SGD training step; a ZeRO step), their rounds interleaved (ABBA), so a
+busy neighbour slows both sides of a pair alike. Each figure's verdict is the median of
+its paired ratios (this tree's time / the baseline's, per round): a 3x slowdown reads
+about 3, noise about 1 (the recorded spreads are in ``tests/compat/test_gate.py``).
+
+- the gate fails a figure whose median ratio exceeds ``GATE_LIMIT`` (2.0);
+- ``bench-compare`` calls a figure slower (faster) when its median exceeds
+  ``1 + COMPARE_MARGIN`` (is below ``1 / (1 + margin)``) *and* a sign test over its
+  rounds agrees (at least ``SIGN_SHARE`` of the pairs point the same way), so a few wild
+  rounds never decide it.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
-MARGIN = 2.5
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One gated figure: leanstate's operation, the peer's, and the ratio a quiet 2-core
-    machine measures (its floor is ``typical / MARGIN``)."""
-
-    name: str
-    ours: Callable[[], object]
-    peer: Callable[[], object]
-    typical: float
-
-    @property
-    def floor(self) -> float:
-        """The lowest ratio that passes."""
-        return self.typical / MARGIN
+GATE_LIMIT = 2.0
+COMPARE_MARGIN = 0.25
+SIGN_SHARE = 0.8
+WORKER = Path(__file__).with_name("_gate_worker.py")
+SOURCES = ("compat", "reference", "accelerated")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A figure's measured ratio against its floor."""
+    """A figure's paired ratios (this tree's time / the baseline's, one per round)."""
 
     name: str
-    ratio: float
-    floor: float
+    ratios: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median paired ratio: above 1, this tree is slower."""
+        return statistics.median(self.ratios)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The lowest and highest paired ratio."""
+        return min(self.ratios), max(self.ratios)
 
     @property
     def passed(self) -> bool:
-        """Whether the ratio is at or above the floor."""
-        return self.ratio >= self.floor
+        """The gate's verdict: no slowdown beyond ``GATE_LIMIT``."""
+        return self.median <= GATE_LIMIT
+
+    @property
+    def change(self) -> str:
+        """``slower``, ``faster`` or ``same``: beyond the margin and agreed by the sign test."""
+        share_slower = sum(r > 1 for r in self.ratios) / len(self.ratios)
+        if self.median > 1 + COMPARE_MARGIN and share_slower >= SIGN_SHARE:
+            return "slower"
+        if self.median < 1 / (1 + COMPARE_MARGIN) and 1 - share_slower >= SIGN_SHARE:
+            return "faster"
+        return "same"
 
 
-def best_ratio(
-    ours: Callable[[], object], peer: Callable[[], object], rounds: int, timer=time.perf_counter
-) -> float:
-    """Best peer time / best leanstate time over ``rounds`` interleaved rounds."""
-    best_ours = best_peer = float("inf")
-    for _ in range(rounds):
-        start = timer()
-        ours()
-        best_ours = min(best_ours, timer() - start)
-        start = timer()
-        peer()
-        best_peer = min(best_peer, timer() - start)
-    return best_peer / best_ours
-
-
-def judge(figures: list[Figure], rounds: int = 7, timer=time.perf_counter) -> list[Verdict]:
-    """Each figure's verdict (every operation runs once untimed first: compiles, caches)."""
+def paired(new: list[dict], old: list[dict]) -> list[Verdict]:
+    """Each figure's verdict from the two sides' round times (rounds where either side has no
+    time for it are left out; a figure with no pair at all is left out)."""
+    names = sorted({name for round_ in new for name in round_} & {name for round_ in old for name in round_})
     verdicts = []
-    for figure in figures:
-        figure.ours()
-        figure.peer()
-        ratio = best_ratio(figure.ours, figure.peer, rounds, timer)
-        verdicts.append(Verdict(figure.name, ratio, figure.floor))
+    for name in names:
+        ratios = tuple(
+            a[name] / b[name] for a, b in zip(new, old) if a.get(name) and b.get(name) and b[name] > 0
+        )
+        if ratios:
+            verdicts.append(Verdict(name, ratios))
     return verdicts
 
 
-def run(rounds: int = 7) -> list[Verdict]:
-    """Measure the gated figures, small enough to take seconds: the store's get and set
-    beside a dense table, the whole-row load beside a plain read of the same bytes, and
-    an embedding step beside ``nn.EmbeddingBag(sparse=True)`` + SGD, on the import-time
-    backend."""
-    from leanstate._tools.workloads import CheckpointIO, EmbeddingStep, KVGetSet
+class _Worker:
+    """One side: ``_gate_worker.py`` run over the leanstate found on ``pythonpath``."""
 
-    store = KVGetSet(100_000, 64, 8192, None)
-    io = CheckpointIO(100_000, 64, None)
-    ours_step = EmbeddingStep("kv", "sgd", 100_000, 64, batch=1024)
-    dense_step = EmbeddingStep("dense", "sgd", 100_000, 64, batch=1024)
-    try:  # typical: the median of three runs on a quiet 2-core machine, numba backend
-        return judge(
-            [
-                Figure("store get vs index_select", store.get, store.dense_get, 0.30),
-                Figure("store set vs index_copy_", store.set, store.dense_set, 0.80),
-                Figure("whole-row load vs plain read", io.load, io.read_plain, 0.15),
-                Figure("sgd step vs EmbeddingBag(sparse)+SGD", ours_step.step, dense_step.step, 0.37),
-            ],
-            rounds,
+    def __init__(self, label: str, pythonpath: str, cwd: Path) -> None:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath}
+        self.label = label
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER.read_text()],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.label} worker stopped: {self.process.stderr.read()[-2000:]}")
+        return json.loads(line)
+
+    def ready(self) -> dict:
+        """Its set-up report: the figures it runs, and the ones its tree cannot."""
+        return self._reply()
+
+    def round(self) -> dict:
+        """One timed round of every figure."""
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+
+
+def _git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def baseline(root: Path, against: str | None = None) -> str:
+    """The commit to compare with: ``against``; else ``HEAD`` when this tree's sources
+    differ from it (a change not yet committed), else ``HEAD``'s parent (the last commit's
+    change)."""
+    if against is not None:
+        return _git("rev-parse", "--verify", f"{against}^{{commit}}", cwd=root)
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *SOURCES], cwd=root).returncode != 0
+    return _git("rev-parse", "--verify", "HEAD" if changed else "HEAD~1", cwd=root)
+
+
+def checkout(root: Path, commit: str, into: Path) -> Path:
+    """The sources of ``commit`` laid out as an importable ``leanstate`` package under
+    ``into/<commit>`` (kept: a later run reuses it and its numba cache)."""
+    folder = into / commit
+    if (folder / "leanstate" / "__init__.py").exists():
+        return folder
+    staging = Path(tempfile.mkdtemp(dir=into))
+    archive = subprocess.run(["git", "archive", commit, *SOURCES], cwd=root, capture_output=True, check=True)
+    with tempfile.TemporaryFile() as data:
+        data.write(archive.stdout)
+        data.seek(0)
+        with tarfile.open(fileobj=data) as tar:
+            tar.extractall(staging, filter="data")
+    (staging / "compat").rename(staging / "leanstate")
+    for name in ("reference", "accelerated"):
+        (staging / name).rename(staging / "leanstate" / name)
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+    return folder
+
+
+def working_tree(root: Path, into: Path) -> Path:
+    """This checkout's sources, as they are now, laid out as an importable ``leanstate``
+    package under ``into/worktree`` by links (whatever ``leanstate`` is installed, the
+    gate times this tree's)."""
+    folder = into / "worktree"
+    shutil.rmtree(folder, ignore_errors=True)
+    package = folder / "leanstate"
+    package.mkdir(parents=True)
+    for entry in (root / "compat").iterdir():
+        if entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry)
+    for name in ("reference", "accelerated"):
+        (package / name).symlink_to(root / name)
+    return folder
+
+
+def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, log=print) -> list[Verdict]:
+    """This tree against ``commit``, round by round (ABBA order); each figure's verdict."""
+    into = into or root / ".bench-old"
+    into.mkdir(exist_ok=True)
+    old_tree = checkout(root, commit, into)
+    this_tree = working_tree(root, into)
+    new = _Worker("this tree's", str(this_tree), this_tree)
+    old = _Worker(f"baseline {commit[:10]}'s", str(old_tree), old_tree)
+    try:
+        for worker in (new, old):
+            problems = worker.ready()["problems"]
+            for name, problem in problems.items():
+                log(f"gate: the {worker.label} tree has no {name} figures ({problem})")
+        new_times, old_times = [], []
+        for k in range(rounds):
+            first, second = (new, old) if k % 2 == 0 else (old, new)
+            times = {id(first): first.round(), id(second): second.round()}
+            new_times.append(times[id(new)])
+            old_times.append(times[id(old)])
+        return paired(new_times, old_times)
     finally:
-        io.close()
+        new.close()
+        old.close()
 
 
-def report(verdicts: list[Verdict]) -> str:
-    """One line per figure: its ratio, its floor and PASS or FAIL."""
-    return "\n".join(
-        f"{'PASS' if v.passed else 'FAIL'}  {v.name}: ratio {v.ratio:.3g}, floor {v.floor:.3g}"
-        for v in verdicts
-    )
+def report(verdicts: list[Verdict], commit: str, *, gate: bool) -> str:
+    """One line per figure: the median ratio, its spread over the rounds and the verdict."""
+    lines = [f"this tree vs {commit[:10]}: time ratio per round (above 1: slower), median and spread"]
+    for v in verdicts:
+        low, high = v.spread
+        verdict = ("PASS" if v.passed else "FAIL") if gate else v.change
+        lines.append(
+            f"{verdict:>6}  {v.name}: median {v.median:.3g} ({low:.3g}..{high:.3g}, {len(v.ratios)} rounds)"
+        )
+    if gate:
+        lines.append(f"(a figure fails above {GATE_LIMIT}x its baseline's time)")
+    return "\n".join(lines)
+
+
+def main(against: str | None, *, gate: bool, rounds: int, record: Path | None = None) -> int:
+    """The gate (exit 1 on a slowdown beyond the limit) or the comparison (exit 0);
+    ``record``: also write every figure's paired ratios there as JSON."""
+    try:
+        root = Path(_git("rev-parse", "--show-toplevel", cwd=Path.cwd()))
+        commit = baseline(root, against)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        print("gate: no baseline commit to compare with (no git history here): nothing to judge")
+        return 0
+    verdicts = compare(root, commit, rounds)
+    print(report(verdicts, commit, gate=gate))
+    if record is not None:
+        figures = {v.name: list(v.ratios) for v in verdicts}
+        record.write_text(json.dumps({"baseline": commit, "figures": figures}, indent=1))
+    return 0 if not gate or all(v.passed for v in verdicts) else 1
