@@ -6,10 +6,11 @@ to catch a 3x slowdown (one unchanged figure read 0.34 and 12.7 in two runs: the
 time moves more than ours). So the gate compares leanstate with itself: this tree and a
 baseline commit (its sources from git), each in its own worker process running the same
 hot paths (``_gate_worker.py``: store get, set and insert; whole-row, version-2 and DCP
-save and load; an SGD training step; a ZeRO step), their rounds interleaved (ABBA), so a
-busy neighbour slows both sides of a pair alike. Each figure's verdict is the median of
-its paired ratios (this tree's time / the baseline's, per round): a 3x slowdown reads
-about 3, noise about 1 (the recorded spreads are in ``tests/compat/test_gate.py``).
+save and load; an SGD training step; a ZeRO step). Per round and figure one side runs
+it, then the other at once (each the better of two back-to-back runs; the order
+alternates), so a busy neighbour slows both sides of a pair alike. A figure's verdict is
+the median of its paired ratios (this tree's time / the baseline's, one per round): a 3x
+slowdown reads about 3, noise about 1 (recorded noise: ``tests/compat/gate_noise.json``).
 
 - the gate fails a figure whose median ratio exceeds ``GATE_LIMIT`` (2.0);
 - ``bench-compare`` calls a figure slower (faster) when its median exceeds
@@ -111,9 +112,9 @@ class _Worker:
         """Its set-up report: the figures it runs, and the ones its tree cannot."""
         return self._reply()
 
-    def round(self) -> dict:
-        """One timed round of every figure."""
-        self.process.stdin.write("round\n")
+    def run(self, name: str) -> float | None:
+        """The seconds of one figure (the better of two back-to-back runs), or None."""
+        self.process.stdin.write(f"run {name}\n")
         self.process.stdin.flush()
         return self._reply()
 
@@ -188,16 +189,21 @@ def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, 
     new = _Worker("this tree's", str(this_tree), this_tree)
     old = _Worker(f"baseline {commit[:10]}'s", str(old_tree), old_tree)
     try:
+        figures = []
         for worker in (new, old):
-            problems = worker.ready()["problems"]
-            for name, problem in problems.items():
+            ready = worker.ready()
+            figures.append(set(ready["figures"]))
+            for name, problem in ready["problems"].items():
                 log(f"gate: the {worker.label} tree has no {name} figures ({problem})")
         new_times, old_times = [], []
         for k in range(rounds):
-            first, second = (new, old) if k % 2 == 0 else (old, new)
-            times = {id(first): first.round(), id(second): second.round()}
-            new_times.append(times[id(new)])
-            old_times.append(times[id(old)])
+            new_times.append({})
+            old_times.append({})
+            for f, name in enumerate(sorted(figures[0] & figures[1])):
+                # the two sides of a pair run back to back, first one then the other (ABBA)
+                order = ((new, new_times), (old, old_times))
+                for worker, times in order if (k + f) % 2 == 0 else order[::-1]:
+                    times[-1][name] = worker.run(name)
         return paired(new_times, old_times)
     finally:
         new.close()
