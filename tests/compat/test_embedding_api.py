@@ -10,7 +10,6 @@ from torch import nn
 import leanstate
 from leanstate import (
     KeyedJaggedTensor,
-    KeyedTensor,
     KVEmbeddingBag,
     KVEmbeddingBagCollection,
     KVTableConfig,
@@ -58,12 +57,17 @@ def test_hyperparameters_are_checked_as_torch_optim_does(argument, value):
         KVEmbeddingBag(VOCAB, D, optimizer="adam", **{argument: value})
 
 
-def test_int32_ids_get_an_error_saying_how_to_convert_them():
-    bag = KVEmbeddingBag(VOCAB, D)
+def test_int32_ids_and_offsets_pool_as_int64_and_other_dtypes_say_how_to_convert():
+    bag = KVEmbeddingBag(VOCAB, D, seed=4)
+    ids, offsets = torch.tensor([1, 2, 7]), torch.tensor([0, 2])
+    want = bag(ids, offsets)
+    assert torch.equal(bag(ids.int(), offsets.int()), want)  # nn.EmbeddingBag takes int32 too
+    assert torch.equal(bag(ids.int(), offsets), want)
     with pytest.raises(
-        TypeError, match=r"torch.int64; got torch.int32 \(convert them with ids.to\(torch.int64\)\)"
+        TypeError,
+        match=r"torch.int64 or torch.int32; got torch.int16 \(convert them with ids.to\(torch.int64\)\)",
     ):
-        bag(torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0]))
+        bag(ids.to(torch.int16), offsets)
 
 
 def test_offsets_none_needs_2d_input_like_nn_embedding_bag():
@@ -189,7 +193,7 @@ def test_collection_of_configs_shares_tables_and_returns_a_keyed_tensor():
     items, users = ebc.embedding_bags["items"], ebc.embedding_bags["users"]
     assert users.mode == "mean" and users.dtype == torch.float16 and items.num_embeddings == VOCAB
     out = ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS))
-    assert isinstance(out, KeyedTensor)
+    assert type(out).__name__ == "KeyedTensor"  # TorchRec's when it imports, else leanstate's
     assert out.keys() == KEYS and out.length_per_key() == [D, D, 2] and out.values().shape == (2, 2 * D + 2)
     expected = {
         "clicked": items(torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
@@ -215,14 +219,34 @@ def test_features_sharing_a_table_update_it_once_with_their_summed_gradients():
     assert items.store.metadata(torch.tensor([3])).item() >> 32 & 0x7FFFFFFF == 1  # one write, not two
 
 
-def test_weights_of_the_input_are_per_sample_weights():
-    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])])
+def test_weights_of_the_input_are_per_sample_weights_when_is_weighted():
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])], is_weighted=True)
+    assert ebc.is_weighted()
     weights = torch.tensor([0.5, 2.0, -1.0])
     values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
     out = ebc(KeyedJaggedTensor(["f"], values, weights=weights, lengths=lengths))
     bag = ebc.embedding_bags["t"]
     assert torch.equal(out["f"], bag(values, torch.tensor([0, 2]), weights))
     assert not torch.equal(out["f"], bag(values, torch.tensor([0, 2])))
+    with pytest.raises(ValueError, match="is_weighted=True but the features carry no weights"):
+        ebc(KeyedJaggedTensor(["f"], values, lengths=lengths))
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_an_unweighted_collection_ignores_the_inputs_weights_as_torchrec_does(pooling):
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"], pooling=pooling)])
+    assert not ebc.is_weighted()
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    weighted = KeyedJaggedTensor(["f"], values, weights=torch.tensor([0.5, 2.0, -1.0]), lengths=lengths)
+    out = ebc(weighted)  # a mean table would refuse weights: they never reach it
+    assert torch.equal(out["f"], ebc.embedding_bags["t"](values, torch.tensor([0, 2])))
+    out.values().sum().backward()  # the update is the unweighted one too
+    reference = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"], pooling=pooling)])
+    reference(KeyedJaggedTensor(["f"], values, lengths=lengths)).values().sum().backward()
+    keys = torch.tensor([1, 2, 3])
+    assert torch.equal(
+        ebc.embedding_bags["t"].store.get_rows(keys), reference.embedding_bags["t"].store.get_rows(keys)
+    )
 
 
 def test_offsets_only_input_is_read_too():
@@ -252,12 +276,22 @@ def test_offsets_only_input_is_read_too():
 )
 def test_jagged_input_is_checked_against_its_keys(lengths, weights, message):
     with pytest.raises(ValueError, match=message):
-        two_tables()(KeyedJaggedTensor(KEYS, VALUES, weights=weights, lengths=lengths))
+        two_tables(is_weighted=weights is not None)(
+            KeyedJaggedTensor(KEYS, VALUES, weights=weights, lengths=lengths)
+        )
 
 
-def test_missing_or_unknown_features_are_a_key_error():
+def test_missing_features_are_a_key_error_and_unknown_ones_are_skipped():
     with pytest.raises(KeyError, match="missing features \\['users'\\]"):
         two_tables()(KeyedJaggedTensor(KEYS[:2], VALUES[:5], lengths=LENGTHS[:4]))
+    ebc = two_tables()
+    want = ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values()
+    extra = KeyedJaggedTensor(
+        ["other", *KEYS],
+        torch.cat([torch.tensor([99]), VALUES]),
+        lengths=torch.cat([torch.tensor([1, 0]), LENGTHS]),
+    )
+    assert torch.equal(ebc(extra).values(), want)
 
 
 def test_config_checks():
@@ -296,7 +330,12 @@ def test_collection_state_dict_goes_through_nn_module():
     ebc, fresh = two_tables(), two_tables()
     ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values().sum().backward()
     state = ebc.state_dict()
-    assert set(state) == {"embedding_bags.items.weight", "embedding_bags.users.weight"}
+    assert set(state) == {
+        "embedding_bags.items.weight",
+        "embedding_bags.items._extra_state",
+        "embedding_bags.users.weight",
+        "embedding_bags.users._extra_state",
+    }
     fresh.load_state_dict(state)
     store = ebc.embedding_bags["items"].store
     assert torch.equal(
@@ -413,7 +452,8 @@ def test_each_feature_pools_with_its_own_weights():
     from leanstate import KeyedJaggedTensor, KVEmbeddingBagCollection, KVTableConfig
 
     ebc = KVEmbeddingBagCollection(
-        [KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3, feature_names=["c"])]
+        [KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3, feature_names=["c"])],
+        is_weighted=True,
     )
     keys = ["a", "b", "c"]
     values = torch.tensor([1, 2, 3, 4, 5, 6, 7])
