@@ -2,6 +2,7 @@
 
 import copy
 import enum
+import functools
 
 import pytest
 import torch
@@ -471,3 +472,100 @@ def test_each_feature_pools_with_its_own_weights():
             ids, w = values[starts[bag] : starts[bag + 1]], weights[starts[bag] : starts[bag + 1]]
             want = (rows[table][ids] * w[:, None]).sum(0)
             torch.testing.assert_close(out[key][sample], want, rtol=1e-6, atol=1e-6, msg=f"{key}[{sample}]")
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_include_last_offset_reads_the_end_of_the_last_bag_as_nn_embedding_bag(mode):
+    bag = KVEmbeddingBag(VOCAB, D, mode=mode, include_last_offset=True, seed=5)
+    table = nn.EmbeddingBag(VOCAB, D, mode=mode, include_last_offset=True)
+    with torch.no_grad():
+        table.weight.copy_(bag.store.get(torch.arange(VOCAB), width=D))
+    ids, offsets = torch.tensor([1, 2, 7, 7, 3]), torch.tensor([0, 2, 2, 5])  # three bags, one empty
+    out = bag(ids, offsets)
+    assert out.shape == (3, D) and torch.equal(out, table(ids, offsets))
+    plain = KVEmbeddingBag(VOCAB, D, mode=mode, seed=5)
+    assert torch.equal(out, plain(ids, offsets[:-1]))
+    assert torch.equal(bag(ids.reshape(1, 5)), table(ids.reshape(1, 5)))  # 2-D input: the flag is moot
+    with pytest.raises(ValueError, match="include_last_offset=True needs B \\+ 1 offsets"):
+        bag(ids, torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="offsets must start at 0.*got \\[0, 2, 6\\]"):
+        bag(ids, torch.tensor([0, 2, 6]))
+
+
+def test_include_last_offset_leaves_ids_after_the_last_bag_out_and_untouched():
+    bag = KVEmbeddingBag(VOCAB, D, include_last_offset=True, lr=0.5, seed=6)
+    ids, weights = torch.tensor([1, 2, 9, -1, 8]), torch.tensor([1.0, 2.0, 3.0, 1.0, 4.0], requires_grad=True)
+    out = bag(ids, torch.tensor([0, 1, 3]), per_sample_weights=weights)  # ids 9's padding and 8: no bag
+    table = nn.EmbeddingBag(VOCAB, D, mode="sum", include_last_offset=True)
+    with torch.no_grad():
+        table.weight.copy_(bag.store.get(torch.arange(VOCAB), width=D))
+    torch.testing.assert_close(
+        out, table(ids.clamp(min=0), torch.tensor([0, 1, 3]), weights), rtol=0, atol=1e-7
+    )
+    out.sum().backward()
+    assert bag.store.keys().tolist() == [1, 2, 9] and bag.stats["ids"] == 3
+    assert weights.grad[3:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("offloading", [True, False])
+def test_the_optimizer_step_travels_in_every_state_dict(offloading):
+    make = functools.partial(
+        KVEmbeddingBag, VOCAB, D, optimizer="adam", lr=0.1, optimizer_offloading=offloading,
+        return_whole_row=offloading, clock=FakeClock(),
+    )  # fmt: skip
+    straight, first = make(), make()
+    for step in range(4):
+        ids = torch.tensor([step % 3, 5])
+        for bag in (straight, first) if step < 2 else (straight,):
+            bag(ids, torch.tensor([0])).sum().backward()
+    state = first.state_dict()
+    assert torch.equal(state["_extra_state"], torch.tensor(2)) and first.get_extra_state() == 2
+    resumed = make()
+    resumed.load_state_dict(state)  # strict: the step is one of the keys
+    assert resumed.optimizer_step == 2
+    for step in (2, 3):
+        resumed(torch.tensor([step % 3, 5]), torch.tensor([0])).sum().backward()
+    keys = straight.store.keys()
+    assert torch.equal(resumed.store.get(keys), straight.store.get(keys))
+    collection = KVEmbeddingBagCollection({"t": first})
+    assert collection.state_dict()["embedding_bags.t._extra_state"] == 2
+    resumed.set_extra_state({"optimizer_step": 7})  # extra_state()'s dict works too
+    assert resumed.optimizer_step == 7
+
+
+def test_a_plain_weight_loads_as_rows_0_to_n_minus_1_and_is_readable_by_attribute():
+    source = nn.EmbeddingBag(VOCAB, D, mode="sum")
+    bag = KVEmbeddingBag(VOCAB, D, optimizer="rowwise_adagrad")
+    assert bag.load_state_dict({"weight": source.weight.detach()}).missing_keys == []  # nothing else to bring
+    ids, offsets = torch.tensor([0, 3, VOCAB - 1]), torch.tensor([0, 1])
+    assert torch.equal(bag(ids, offsets), source(ids, offsets)) and len(bag.store) == VOCAB
+    assert bag.weight.whole_rows and bag.weight.shape == (VOCAB, bag.store.layout.width)
+    assert bag.momentum1.read_only and bag.momentum1.shape == (VOCAB, 1)
+    assert not hasattr(bag, "exp_avg")  # Adam's fields only on Adam bags
+    with pytest.raises(ValueError, match="plain weight of 31 rows does not fit num_embeddings=30"):
+        bag.load_state_dict({"weight": torch.zeros(VOCAB + 1, D)})
+
+
+def test_kv_table_config_takes_torchrecs_default_init_range():
+    config = KVTableConfig("t", D, num_embeddings=400, weight_init_min=None, weight_init_max=None)
+    assert (config.weight_init_min, config.weight_init_max) == (-0.05, 0.05)
+    assert KVTableConfig("t", D, num_embeddings=400).weight_init_max == 0.01  # leanstate's own default
+    with pytest.raises(ValueError, match="has no num_embeddings"):
+        KVTableConfig("t", D, weight_init_max=None)
+
+
+def test_the_collection_has_torchrecs_accessors_for_its_tables_given_either_way():
+    ebc = two_tables(device="cpu")
+    assert [c.name for c in ebc.embedding_bag_configs()] == ["items", "users"]
+    assert ebc.device == torch.device("cpu") and not ebc.is_weighted()
+    bags = KVEmbeddingBagCollection({"u": KVEmbeddingBag(VOCAB, D, mode="mean", seed=3)})
+    (config,) = bags.embedding_bag_configs()
+    assert (config.name, config.num_embeddings, config.feature_names, config.pooling) == (
+        "u",
+        VOCAB,
+        ["u"],
+        "mean",
+    )
+    rebuilt = KVEmbeddingBagCollection([config])
+    ids = torch.arange(VOCAB)
+    assert torch.equal(rebuilt.embedding_bags["u"].store.get(ids), bags.embedding_bags["u"].store.get(ids))
