@@ -143,6 +143,12 @@ def jagged_parts(
     """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked. The
     weights are read only when ``weighted`` (the collection's ``is_weighted``): TorchRec's
     collections ignore a weighted input's weights otherwise."""
+    variable_batch = getattr(features, "variable_stride_per_key", None)
+    if variable_batch is not None and variable_batch():  # its lengths are not key-major B per key
+        raise ValueError(
+            "KVEmbeddingBagCollection: variable-batch KeyedJaggedTensors (stride_per_key_per_rank, "
+            "inverse_indices) are not supported; pass one batch size for every key"
+        )
     keys, values = list(features.keys()), features.values()
     if hasattr(features, "lengths"):
         lengths = features.lengths()

@@ -257,3 +257,14 @@ def test_the_fused_optimizer_composes_with_combined_optimizer():
     state = combined.state_dict()
     assert set(state["state"]) == {f"dense.{name}" for name in dict(model.named_parameters())}
     combined.load_state_dict(state)
+
+
+def test_a_variable_batch_kjt_is_refused_rather_than_misread():
+    kv_ebc = KVEmbeddingBagCollection(configs())
+    variable = KeyedJaggedTensor(
+        keys=KEYS, values=torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.tensor([1, 1, 1, 1, 1, 1]),
+        stride_per_key_per_rank=[[1], [2], [3]],
+    )  # fmt: skip
+    assert variable.variable_stride_per_key()
+    with pytest.raises(ValueError, match="variable-batch KeyedJaggedTensors"):
+        kv_ebc(variable)
