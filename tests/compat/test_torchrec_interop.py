@@ -10,7 +10,7 @@ import torch
 
 torchrec = pytest.importorskip("torchrec", exc_type=ImportError)  # absent, or broken (no fbgemm)
 
-from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # noqa: E402
 from torchrec.models.dlrm import DLRM  # noqa: E402
 from torchrec.modules.embedding_configs import DataType, PoolingType  # noqa: E402
@@ -209,7 +209,7 @@ def test_adam_tables_resumed_through_the_model_state_dict_alone_match_an_uninter
     assert train(restarted, range(10, 20)) != losses[10:]
 
 
-def test_get_model_state_dict_reads_the_tables_by_attribute():
+def test_get_and_set_model_state_dict_read_and_write_the_tables():
     model = adam_model()
     train(model, range(2))
     state = get_model_state_dict(model)
@@ -218,6 +218,12 @@ def test_get_model_state_dict_reads_the_tables_by_attribute():
     assert isinstance(weight, leanstate.KVTensor) and len(weight) > 0
     bag = model.sparse_arch.embedding_bag_collection.embedding_bags["t1"]
     assert bag.exp_avg.shape == (len(bag.store), D) and bag.weight.shape == weight.shape
+    fresh = adam_model()
+    assert not set_model_state_dict(fresh, state).missing_keys  # and back, the step included
+    mine = fresh.sparse_arch.embedding_bag_collection.embedding_bags["t1"]
+    assert mine.optimizer_step == 2 and torch.equal(
+        mine.store.get_rows(bag.store.keys()), bag.store.get_rows(bag.store.keys())
+    )
 
 
 def test_trained_torchrec_weights_load_by_load_state_dict_as_rows_0_to_n_minus_1():
