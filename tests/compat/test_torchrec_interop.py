@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 
 torchrec = pytest.importorskip("torchrec", exc_type=ImportError)  # absent, or broken (no fbgemm)
 
@@ -274,3 +275,17 @@ def test_a_variable_batch_kjt_is_refused_rather_than_misread():
     assert variable.variable_stride_per_key()
     with pytest.raises(ValueError, match="variable-batch KeyedJaggedTensors"):
         kv_ebc(variable)
+
+
+def test_a_torchrec_dcp_checkpoint_migrates_through_a_template_state_dict(tmp_path):
+    """Stock ``dcp.load`` into the state dict of a TorchRec collection of the same configs
+    (plain tensors of the right shapes), then ``load_state_dict``."""
+    trained = EmbeddingBagCollection(configs())
+    torch.distributed.checkpoint.save(trained.state_dict(), checkpoint_id=tmp_path / "torchrec", no_dist=True)
+    template = EmbeddingBagCollection(configs()).state_dict()
+    torch.distributed.checkpoint.load(template, checkpoint_id=tmp_path / "torchrec", no_dist=True)
+    kv_ebc = KVEmbeddingBagCollection(configs())
+    kv_ebc.load_state_dict(template)
+    kv_ebc.eval()
+    _, features, _ = batch(7)
+    assert torch.equal(kv_ebc(features).values(), trained(features).values())
