@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	# numba-cuda without its toolkit extra: the tests run its kernels in the CUDA simulator
-	$(BIN)/python -m pip install -q -e ".[dev,numba]" "numba-cuda>=0.20"
+	# numba-cuda without its toolkit extra: the tests run its kernels in the CUDA simulator;
+	# torchrec's extra for the interop tests, torch pinned again so nothing moves it
+	$(BIN)/python -m pip install -q -e ".[dev,numba,torchrec]" "numba-cuda>=0.20" torch==2.13.0
+	# TorchRec itself without its dependencies: they name the CUDA fbgemm-gpu (the extra has the CPU one)
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,7 +1,9 @@
 """What the plain and the sharded KV embedding collections share: the bags by table name,
-the fused optimizer's face for schedulers, and one base class with the surface both
-expose (``embedding_bags``, ``fused_optimizer``, ``feature_names``, ``extra_state``,
-``load_extra_state``) and the step from per-table pooled outputs to a ``KeyedTensor``.
+the fused optimizer's face for schedulers and TorchRec's ``CombinedOptimizer``, and one
+base class with the surface both expose (``embedding_bags``, ``fused_optimizer``,
+``feature_names``, ``embedding_bag_configs``, ``is_weighted``, ``device``,
+``extra_state``, ``load_extra_state``) and the step from per-table pooled outputs to a
+``KeyedTensor``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from leanstate._torchrec_shapes import KeyedTensor, per_feature
+from leanstate._torchrec_shapes import KeyedTensor, keyed_tensor, per_feature
 
 
 class Tables(nn.Module):
@@ -63,6 +65,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     ``fused_optimizer``): one parameter group per table, whose ``lr`` (and ``eps``,
     ``weight_decay``) write through to the bag, so ``torch.optim.lr_scheduler`` drives
     them. ``step`` and ``zero_grad`` do nothing: the bags update their rows in backward.
+
+    It also has the surface of TorchRec's ``KeyedOptimizer`` that ``CombinedOptimizer``
+    reads (``params`` by key ``embedding_bags.<table>.weight``, ``state``,
+    ``post_load_state_dict``, ``save_param_groups``). Its ``state`` is empty: the
+    optimizer state lives in the rows and the step count in the module's state dict.
     """
 
     def __init__(self, bags: Mapping[str, nn.Module]) -> None:
@@ -70,6 +77,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__([_TableGroup(name, bag) for name, bag in bags.items()], {})
         # Optimizer.__init__ copies each group into a plain dict: put the live ones back
         self.param_groups = [_TableGroup(g["table"], bags[g["table"]], g) for g in self.param_groups]
+        self.defaults["_save_param_groups"] = False  # KeyedOptimizer's flag, read by CombinedOptimizer
+        self.params = {f"embedding_bags.{g['table']}.weight": g["params"][0] for g in self.param_groups}
 
     def step(self, closure=None):
         """Nothing to do (the update happened in backward); calls ``closure`` if given."""
@@ -77,6 +86,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the tables keep no gradients."""
+
+    def post_load_state_dict(self) -> None:
+        """Nothing to do (``KeyedOptimizer``'s hook after a load): there is no state here."""
+
+    def save_param_groups(self, save: bool) -> None:
+        """Whether a ``KeyedOptimizer`` state dict holds the parameter groups (TorchRec's flag)."""
+        self.defaults["_save_param_groups"] = save
 
 
 class _TableGroup(dict):
@@ -110,11 +126,35 @@ class TableCollection(nn.Module):
     ``forward`` (its own way: locally, or through the owners of the rows).
     """
 
-    def __init__(self, bags: Mapping[str, nn.Module], features: Mapping[str, list[str]]) -> None:
+    def __init__(
+        self,
+        bags: Mapping[str, nn.Module],
+        configs: list,
+        *,
+        is_weighted: bool,
+        device: torch.device | str | None,
+    ) -> None:
         super().__init__()
         self._fused_optimizer = None
         self.embedding_bags = Tables(bags)
-        self._table_features = {table: list(names) for table, names in features.items()}
+        self._configs = configs
+        self._table_features = {c.name: list(c.feature_names) for c in configs}
+        self._is_weighted = bool(is_weighted)
+        self._device = torch.device(device) if device is not None else next(iter(bags.values())).device
+
+    def embedding_bag_configs(self) -> list:
+        """The table configs, as given (TorchRec's ``EmbeddingBagConfig`` or ``KVTableConfig``);
+        for a mapping of bags, a ``KVTableConfig`` describing each. TorchRec's ``DLRM`` reads them."""
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        """Whether the input's weights are per-sample weights (else they are ignored, as TorchRec does)."""
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows, the lookups and the outputs live (TorchRec's compute device)."""
+        return self._device
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -139,10 +179,10 @@ class TableCollection(nn.Module):
 
     def _keyed(self, batch: int, pooled: Mapping[str, torch.Tensor]) -> KeyedTensor:
         """Each table's pooled ``[features * batch, D]`` output as one ``[batch, D]`` block per
-        feature, tables in order: the collection's ``KeyedTensor``."""
+        feature, tables in order: the collection's ``KeyedTensor`` (TorchRec's when it imports)."""
         blocks, dims = [], []
         for table, out in pooled.items():
             features = len(self._table_features[table])
             blocks.extend(per_feature(out, features, batch))
             dims.extend([self.embedding_bags[table].embedding_dim] * features)
-        return KeyedTensor(self.feature_names(), dims, torch.cat(blocks, dim=1))
+        return keyed_tensor(self.feature_names(), dims, torch.cat(blocks, dim=1))

@@ -2,12 +2,15 @@
 ``KeyedJaggedTensor`` input (every feature's ids, key-major, with lengths or offsets
 and optional per-id weights) and ``KeyedTensor`` output (per-key pooled embeddings side
 by side), and how a collection cuts a KeyedJaggedTensor-like into per-table bags.
-A real ``torchrec.KeyedJaggedTensor`` works as input as well. ``KVTableConfig`` is
-EmbeddingBagConfig's shape for a KV table.
+A real ``torchrec.KeyedJaggedTensor`` works as input as well, and when TorchRec imports
+the output is TorchRec's own ``KeyedTensor`` (``keyed_tensor``). ``KVTableConfig`` is
+EmbeddingBagConfig's shape for a KV table; ``KVTableConfig.from_torchrec`` reads one.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -112,14 +115,53 @@ class KeyedTensor:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
 
 
-def jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked."""
+@functools.cache
+def _torchrec_keyed_tensor() -> type | None:
+    """TorchRec's ``KeyedTensor`` class when TorchRec imports, else None. Imported on the first
+    forward rather than with leanstate: TorchRec's import costs about two seconds."""
+    try:
+        from torchrec.sparse.jagged_tensor import KeyedTensor as torchrec_keyed_tensor
+    except (
+        Exception
+    ):  # absent or broken (e.g. no fbgemm): leanstate's own shape, as for any optional dependency
+        return None
+    return torchrec_keyed_tensor
+
+
+def keyed_tensor(keys: list[str], length_per_key: list[int], values: torch.Tensor):
+    """A collection's output: TorchRec's ``KeyedTensor`` when TorchRec imports (so ``regroup``,
+    ``KTRegroupAsDict``, ``.to()`` work on it), else leanstate's :class:`KeyedTensor`."""
+    cls = _torchrec_keyed_tensor()
+    if cls is None:
+        return KeyedTensor(keys, length_per_key, values)
+    return cls(keys=keys, length_per_key=length_per_key, values=values)
+
+
+def jagged_parts(
+    features, *, weighted: bool
+) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked. The
+    weights are read only when ``weighted`` (the collection's ``is_weighted``): TorchRec's
+    collections ignore a weighted input's weights otherwise."""
+    variable_batch = getattr(features, "variable_stride_per_key", None)
+    if variable_batch is not None and variable_batch():  # its lengths are not key-major B per key
+        raise ValueError(
+            "KVEmbeddingBagCollection: variable-batch KeyedJaggedTensors (stride_per_key_per_rank, "
+            "inverse_indices) are not supported; pass one batch size for every key"
+        )
     keys, values = list(features.keys()), features.values()
     if hasattr(features, "lengths"):
         lengths = features.lengths()
     else:
         lengths = torch.diff(features.offsets())
-    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+    weights = None
+    if weighted:
+        weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+        if weights is None:
+            raise ValueError(
+                "KVEmbeddingBagCollection: is_weighted=True but the features carry no weights "
+                "(weights_or_none() is None)"
+            )
     lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
     if not keys:
         raise ValueError("KVEmbeddingBagCollection: the features have no keys")
@@ -140,17 +182,16 @@ def jagged_parts(features) -> tuple[list[str], torch.Tensor, torch.Tensor, torch
     return keys, values, lengths, weights
 
 
-def table_inputs(features, table_features: Mapping[str, list[str]]):
+def table_inputs(features, table_features: Mapping[str, list[str]], *, weighted: bool):
     """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
-    one after the other, in the table's feature order, from a KeyedJaggedTensor-like."""
-    keys, values, lengths, weights = jagged_parts(features)
+    one after the other, in the table's feature order, from a KeyedJaggedTensor-like. A key
+    no table reads is skipped, as TorchRec does; a table's feature missing from the input is
+    a ``KeyError``. Weights are per-sample weights when ``weighted``, else ignored."""
+    keys, values, lengths, weights = jagged_parts(features, weighted=weighted)
     wanted = [f for names in table_features.values() for f in names]
-    unknown = [k for k in keys if k not in wanted]
     missing = [k for k in wanted if k not in keys]
-    if unknown or missing:
-        raise KeyError(
-            f"KVEmbeddingBagCollection: no table for features {unknown}; missing features {missing}"
-        )
+    if missing:
+        raise KeyError(f"KVEmbeddingBagCollection: missing features {missing}; the input has {keys}")
     batch = len(lengths) // len(keys)
     ends = torch.cumsum(lengths, 0)
     starts = ends - lengths
@@ -196,6 +237,22 @@ def _pooling(value: object) -> str:
     raise ValueError(f"KVTableConfig: pooling must be 'sum' or 'mean'; got {value!r}")
 
 
+def _uniform_range(config) -> tuple[float | None, float | None]:
+    """The uniform range a TorchRec config initialises its rows from: its ``init_fn`` when that
+    is TorchRec's default (``partial(torch.nn.init.uniform_, a=..., b=...)``), else its
+    ``weight_init_min/max`` when it has no ``init_fn``. Any other ``init_fn`` is a
+    ``ValueError``: a KV table draws each row from (seed, id), never through a function."""
+    init_fn = getattr(config, "init_fn", None)
+    if init_fn is None:
+        return getattr(config, "weight_init_min", None), getattr(config, "weight_init_max", None)
+    if isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_ and not init_fn.args:
+        return init_fn.keywords.get("a", 0.0), init_fn.keywords.get("b", 1.0)
+    raise ValueError(
+        f"KVTableConfig.from_torchrec: table {config.name!r} has init_fn={init_fn!r}, which a KV table "
+        "cannot run (its rows are drawn from (seed, id) when first read); pass weight_init_min/max instead"
+    )
+
+
 @dataclass
 class KVTableConfig:
     """One table of a :class:`KVEmbeddingBagCollection`, with TorchRec EmbeddingBagConfig's names.
@@ -203,6 +260,9 @@ class KVTableConfig:
     ``feature_names`` (default ``[name]``) may list several features: they share the
     table's rows, and each is pooled on its own. ``data_type`` and ``pooling`` take torch
     dtypes and strings, or TorchRec's ``DataType``/``PoolingType`` members.
+    ``weight_init_min``/``weight_init_max`` default to +-0.01; ``None`` means TorchRec's
+    default, +-sqrt(1 / num_embeddings) (a table with ``num_embeddings``).
+    :meth:`from_torchrec` reads a TorchRec ``EmbeddingBagConfig``.
 
     Example::
 
@@ -223,8 +283,8 @@ class KVTableConfig:
     optimizer_offloading: bool = True
     return_whole_row: bool | None = None  # default: follows optimizer_offloading
     num_shards: int = 8
-    weight_init_min: float = -0.01
-    weight_init_max: float = 0.01
+    weight_init_min: float | None = -0.01
+    weight_init_max: float | None = 0.01
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -235,3 +295,58 @@ class KVTableConfig:
             self.return_whole_row = self.optimizer_offloading
         self.pooling = _pooling(self.pooling)
         self.data_type = _data_type(self.data_type)
+        if self.weight_init_min is None or self.weight_init_max is None:
+            if self.num_embeddings is None:
+                raise ValueError(
+                    f"KVTableConfig: table {self.name!r} has no num_embeddings, so TorchRec's default "
+                    "init range +-sqrt(1 / num_embeddings) does not exist; pass weight_init_min/max"
+                )
+            bound = math.sqrt(1 / self.num_embeddings)  # TorchRec's get_weight_init_min/max
+            self.weight_init_min = -bound if self.weight_init_min is None else self.weight_init_min
+            self.weight_init_max = bound if self.weight_init_max is None else self.weight_init_max
+
+    @classmethod
+    def from_torchrec(cls, config, **kv_options) -> KVTableConfig:
+        """The KV table of a TorchRec ``EmbeddingBagConfig``: its name, sizes, features, pooling,
+        data type and init range (its default ``init_fn``, or ``weight_init_min/max``);
+        ``kv_options`` set the rest (``optimizer``, ``lr``, ``seed``, ...) or override a field
+        (``num_embeddings=None`` for hashed ids). A custom ``init_fn`` is a ``ValueError``.
+
+        Example::
+
+            >>> KVTableConfig.from_torchrec(EmbeddingBagConfig(1000, 16, "t", feature_names=["f"]), lr=0.1)
+        """
+        needed = ("name", "embedding_dim", "num_embeddings", "feature_names", "pooling")
+        if not all(hasattr(config, attribute) for attribute in needed):
+            raise TypeError(
+                f"tables must be KVTableConfig or TorchRec EmbeddingBagConfig objects; got {type(config).__name__}"
+            )
+        low, high = _uniform_range(config)
+        fields = dict(
+            name=config.name,
+            embedding_dim=config.embedding_dim,
+            num_embeddings=config.num_embeddings,
+            feature_names=list(config.feature_names),
+            pooling=config.pooling,
+            data_type=getattr(config, "data_type", torch.float32),
+            weight_init_min=low,
+            weight_init_max=high,
+        )
+        return cls(**{**fields, **kv_options})
+
+
+def table_configs(tables: Sequence) -> tuple[list, list[KVTableConfig]]:
+    """(the configs as given, as ``KVTableConfig``): TorchRec ``EmbeddingBagConfig``s through
+    :meth:`KVTableConfig.from_torchrec`. A TorchRec config without ``feature_names`` gets
+    ``[name]``, as TorchRec's collection sets it, so ``embedding_bag_configs()`` readers
+    (``DLRM``) see the feature."""
+    given = list(tables)
+    for config in given:
+        if (
+            not isinstance(config, KVTableConfig)
+            and hasattr(config, "feature_names")
+            and not config.feature_names
+        ):
+            config.feature_names = [config.name]
+    kv = [c if isinstance(c, KVTableConfig) else KVTableConfig.from_torchrec(c) for c in given]
+    return given, kv

@@ -31,13 +31,28 @@ from leanstate._bag_input import batch_summary, checked_batch
 from leanstate._collection import TableCollection
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
-from leanstate._torchrec_shapes import KeyedJaggedTensor, KeyedTensor, KVTableConfig, table_inputs
+from leanstate._torchrec_shapes import (
+    KeyedJaggedTensor,
+    KeyedTensor,
+    KVTableConfig,
+    table_configs,
+    table_inputs,
+)
 from leanstate.kv_store import KVStore
 from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import pad4
 
 __all__ = ["KVEmbeddingBag", "KVEmbeddingBagCollection", "KVTableConfig", "KeyedJaggedTensor", "KeyedTensor"]
+
+
+_EXTRA_STATE = "_extra_state"  # nn.Module's state-dict key for get_extra_state()
+_PLAIN_CHUNK_ROWS = 65536  # a migrated plain table is written this many rows at a time
+
+
+def _is_plain_table(weight: object, dim: int) -> bool:
+    """Whether ``weight`` is a plain ``[N, dim]`` tensor (not a KVTensor): a table to migrate."""
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == dim
 
 
 class _FusedUpdate(torch.autograd.Function):
@@ -94,6 +109,8 @@ class KVEmbeddingBag(nn.Module):
             non-negative int64 range (hashed ids). Negative ids are padding.
         embedding_dim: D.
         mode: ``"sum"`` or ``"mean"`` pooling.
+        include_last_offset: as ``nn.EmbeddingBag``'s: ``offsets`` has B + 1 entries, the
+            last the end of the last bag (TorchRec's offsets); ids after it are in no bag.
         optimizer: ``"sgd"``, ``"rowwise_adagrad"`` (FBGEMM's exact rowwise Adagrad) or
             ``"adam"``; applied to the touched rows in backward.
         lr, eps, betas, weight_decay: the optimizer's hyperparameters (weight decay is
@@ -124,6 +141,7 @@ class KVEmbeddingBag(nn.Module):
         embedding_dim: int,
         *,
         mode: str = "sum",
+        include_last_offset: bool = False,
         optimizer: str = "sgd",
         lr: float = 0.01,
         eps: float = 1e-8,
@@ -172,7 +190,8 @@ class KVEmbeddingBag(nn.Module):
             raise TypeError(f"KVEmbeddingBag: dtype must be float32, float16 or bfloat16; got {dtype!r}")
         name, module = _backends.resolve("embedding", backend)
         self._config = dict(
-            num_embeddings=num_embeddings, embedding_dim=embedding_dim, mode=mode, optimizer=optimizer,
+            num_embeddings=num_embeddings, embedding_dim=embedding_dim, mode=mode,
+            include_last_offset=include_last_offset, optimizer=optimizer,
             lr=lr, eps=eps, betas=betas, weight_decay=weight_decay,
             optimizer_offloading=optimizer_offloading, return_whole_row=return_whole_row, dtype=dtype,
             num_shards=num_shards, init_range=init_range, seed=seed, clock=clock, device=device,
@@ -180,7 +199,7 @@ class KVEmbeddingBag(nn.Module):
         )  # fmt: skip
         self.backend = name
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self.mode, self.optimizer = mode, optimizer
+        self.mode, self.optimizer, self.include_last_offset = mode, optimizer, bool(include_last_offset)
         self.lr, self.eps, self.betas, self.weight_decay = lr, eps, betas, weight_decay
         self.optimizer_offloading, self.return_whole_row = optimizer_offloading, return_whole_row
         self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
@@ -210,7 +229,14 @@ class KVEmbeddingBag(nn.Module):
         )
 
     @classmethod
-    def from_config(cls, config: KVTableConfig, *, clock=None, backend: str | None = None) -> KVEmbeddingBag:
+    def from_config(
+        cls,
+        config: KVTableConfig,
+        *,
+        clock=None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> KVEmbeddingBag:
         """The bag a :class:`KVTableConfig` describes."""
         return cls(
             config.num_embeddings,
@@ -228,6 +254,7 @@ class KVEmbeddingBag(nn.Module):
             init_range=(config.weight_init_min, config.weight_init_max),
             seed=config.seed,
             clock=clock,
+            device=device,
             backend=backend,
         )
 
@@ -261,6 +288,7 @@ class KVEmbeddingBag(nn.Module):
 
     # -- forward ----------------------------------------------------------------------
 
+    @torch.compiler.disable  # the store is Python and numba: a graph break, so the rest of a model compiles
     def forward(
         self,
         input: torch.Tensor,
@@ -269,10 +297,11 @@ class KVEmbeddingBag(nn.Module):
     ) -> torch.Tensor:
         """Pool ``input`` ids into bags, as ``nn.EmbeddingBag``: float32 ``[B, D]``.
 
-        1-D ``input`` with ``offsets`` (the start of each bag, first 0, non-decreasing), or
-        2-D ``input`` ``[B, L]`` without (each row one bag). ``per_sample_weights`` (sum
-        mode only) has ``input``'s shape. Negative ids are padding: they add nothing, do
-        not count in a mean, and are counted in ``stats["padding_ids"]``.
+        1-D ``input`` (int64 or int32) with ``offsets`` (the start of each bag, first 0,
+        non-decreasing; with ``include_last_offset``, plus the end of the last bag), or 2-D
+        ``input`` ``[B, L]`` without (each row one bag). ``per_sample_weights`` (sum mode
+        only) has ``input``'s shape. Negative ids are padding: they add nothing, do not
+        count in a mean, and are counted in ``stats["padding_ids"]``.
         """
         unique, inverse, ends, per_sample_weights = self.prepare_batch(input, offsets, per_sample_weights)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
@@ -290,15 +319,20 @@ class KVEmbeddingBag(nn.Module):
         bag ends ``[B + 1]``, float32 weights or None), padding removed, every argument
         checked as :meth:`forward` documents, and ``stats`` counted. The sharded
         collection prepares each rank's batch of a table with this too."""
-        ids, offsets, per_sample_weights = checked_batch(
+        ids, offsets, per_sample_weights, end = checked_batch(
             input,
             offsets,
             per_sample_weights,
             device=self.device,
             num_embeddings=self.num_embeddings,
             mode=self.mode,
+            include_last_offset=self.include_last_offset,
         )
-        padding = batch_summary(ids, offsets, num_embeddings=self.num_embeddings)
+        padding, length = batch_summary(ids, offsets, end, num_embeddings=self.num_embeddings)
+        if length < len(ids):  # ids after the last bag's end belong to no bag (include_last_offset)
+            ids = ids[:length]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights[:length]
         device = ids.device
         ends = torch.cat([offsets, torch.tensor([len(ids)], device=device)])
         if padding:  # drop the padding without waiting for the device again: sizes are known
@@ -348,19 +382,47 @@ class KVEmbeddingBag(nn.Module):
     # -- state ----------------------------------------------------------------------
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """KVTensors: ``weight`` (whole rows when ``return_whole_row``) and the optimizer's fields.
+        """KVTensors: ``weight`` (whole rows when ``return_whole_row``) and the optimizer's
+        fields, and ``_extra_state`` (:meth:`get_extra_state`: the optimizer step).
 
         With offloading, the optimizer fields are read-only views into the rows (a whole-row
         load already brought them; with 16-bit rows they show the raw elements holding the
         float32 bytes); without, they are views of the state store.
         """
         out = destination if destination is not None else {}
-        if self.return_whole_row:
-            out[prefix + "weight"] = KVTensor(self.store, whole_rows=True)
-        else:
-            out[prefix + "weight"] = KVTensor(self.store, width=self.embedding_dim)
+        out[prefix + "weight"] = self.weight
         out.update({prefix + name: view for name, view in self._field_views().items()})
+        out[prefix + _EXTRA_STATE] = self.get_extra_state()
         return out
+
+    @property
+    def weight(self) -> KVTensor:
+        """The table as ``state_dict()["weight"]`` holds it (whole rows when ``return_whole_row``):
+        what state-dict utilities (``get_model_state_dict``) read by attribute."""
+        if self.return_whole_row:
+            return KVTensor(self.store, whole_rows=True)
+        return KVTensor(self.store, width=self.embedding_dim)
+
+    def __getattr__(self, name: str):
+        # The optimizer's fields by attribute too, as state-dict utilities walk every key's path.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in self.__dict__.get("fields", {}):
+                return self._field_views()[name]
+            raise
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The optimizer step (Adam's bias correction counts it) as a 0-d int64 tensor, so every
+        state-dict path (``load_state_dict``, ``dcp.save``/``load``) carries it."""
+        return torch.tensor(self.optimizer_step, dtype=torch.int64)
+
+    def set_extra_state(self, state) -> None:
+        """Restore the optimizer step from :meth:`get_extra_state`'s tensor (or an int, or
+        :meth:`extra_state`'s dict)."""
+        if isinstance(state, Mapping):
+            state = state["optimizer_step"]
+        self.optimizer_step = int(state)
 
     def _field_views(self) -> dict[str, KVTensor]:
         """One KVTensor per optimizer field: read-only in the rows, or of the state store."""
@@ -380,16 +442,30 @@ class KVEmbeddingBag(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
-        """Copy KVTensors or tensors in, chunk by chunk (whole rows by header key)."""
+        """Copy KVTensors or tensors in, chunk by chunk (whole rows by header key). A plain
+        ``[N, embedding_dim]`` ``weight`` (a TorchRec or ``nn.EmbeddingBag`` table) is rows
+        ``0..N-1``; the optimizer fields and step it lacks are then not missing: they start fresh."""
         mine = self.state_dict(prefix=prefix)
-        missing_keys.extend(key for key in mine if key not in state_dict)
+        weight = state_dict.get(prefix + "weight")
+        migrating = _is_plain_table(weight, self.embedding_dim)
+        missing_keys.extend(
+            key for key in mine if key not in state_dict and not (migrating and key != prefix + "weight")
+        )
         unexpected_keys.extend(
             key
             for key in state_dict
             if key.startswith(prefix) and "." not in key[len(prefix) :] and key not in mine
         )
+        if prefix + _EXTRA_STATE in state_dict:
+            self.set_extra_state(state_dict[prefix + _EXTRA_STATE])
+        if migrating:
+            self._load_plain_rows(weight)
         for key, target in mine.items():
-            if key not in state_dict:
+            if (
+                key not in state_dict
+                or key == prefix + _EXTRA_STATE
+                or (migrating and key == prefix + "weight")
+            ):
                 continue
             source = state_dict[key]
             if target.whole_rows:  # keyed by each row's header: the ids are placeholders
@@ -401,6 +477,19 @@ class KVEmbeddingBag(nn.Module):
                 view.copy_(source)
             else:
                 target.ignored_writes += len(source)
+
+    def _load_plain_rows(self, weight: torch.Tensor) -> None:
+        """Write a plain ``[N, D]`` table's rows as ids ``0..N-1``, a chunk at a time (an upsert:
+        rows already in the store keep their optimizer state)."""
+        rows = len(weight)
+        if self.num_embeddings is not None and rows > self.num_embeddings:
+            raise ValueError(
+                f"KVEmbeddingBag: a plain weight of {rows} rows does not fit num_embeddings={self.num_embeddings}"
+            )
+        for start in range(0, rows, _PLAIN_CHUNK_ROWS):
+            chunk = weight[start : start + _PLAIN_CHUNK_ROWS].detach()
+            ids = torch.arange(start, start + len(chunk), dtype=torch.int64, device=self.device)
+            self.store.set(ids, chunk.to(self.device, self.dtype))
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """What ``save_checkpoint`` / ``load_checkpoint`` take for this module."""
@@ -420,20 +509,37 @@ class KVEmbeddingBag(nn.Module):
         self.optimizer_step = int(extra["optimizer_step"])
 
 
+def _config_of(name: str, bag: KVEmbeddingBag) -> KVTableConfig:
+    """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
+    low, high = bag._config["init_range"]
+    return KVTableConfig(
+        name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
+        optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
+        optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
+        num_shards=bag._config["num_shards"], weight_init_min=low, weight_init_max=high, seed=bag._config["seed"],
+    )  # fmt: skip
+
+
 class KVEmbeddingBagCollection(TableCollection):
     """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
 
     Args:
-        tables: a list of :class:`KVTableConfig` (several features may share a table),
-            or a mapping name -> :class:`KVEmbeddingBag` (one feature per table, its name).
+        tables: a list of :class:`KVTableConfig` or TorchRec ``EmbeddingBagConfig`` (read by
+            :meth:`KVTableConfig.from_torchrec`; several features may share a table), or a
+            mapping name -> :class:`KVEmbeddingBag` (one feature per table, its name).
+        is_weighted: whether the input's weights are per-sample weights; when False (the
+            default, as TorchRec's) a weighted input's weights are ignored.
+        device: where the rows live and the lookups run (default the CPU).
         clock, backend: for the bags built from configs.
 
     ``forward(features)`` takes a KeyedJaggedTensor (or anything with ``keys()``,
-    ``values()``, ``lengths()`` or ``offsets()``, and optionally ``weights_or_none()``,
-    whose weights are then per-sample weights) holding every feature of the tables, and
-    returns a :class:`KeyedTensor` with one ``[B, D]`` block per feature, tables in order,
-    each table's features in order. Each table deduplicates the ids of all its features
-    together, so its fused update sees one gradient per distinct id.
+    ``values()``, ``lengths()`` or ``offsets()``, and ``weights_or_none()`` when weighted)
+    holding every feature of the tables (keys no table reads are skipped), and returns a
+    ``KeyedTensor`` (TorchRec's when it imports, else :class:`KeyedTensor`) with one
+    ``[B, D]`` block per feature, tables in order, each table's features in order. Each
+    table deduplicates the ids of all its features together, so its fused update sees one
+    gradient per distinct id. The lookup is a ``torch.compiler.disable`` boundary: the rest
+    of a compiled model compiles around it.
 
     Example::
 
@@ -446,35 +552,41 @@ class KVEmbeddingBagCollection(TableCollection):
     def __init__(
         self,
         tables: Sequence[KVTableConfig] | Mapping[str, KVEmbeddingBag],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
         *,
         clock=None,
         backend: str | None = None,
     ) -> None:
         if isinstance(tables, Mapping):
             bags = dict(tables)
-            features = {name: [name] for name in bags}
+            given = configs = [_config_of(name, bag) for name, bag in bags.items()]
         else:
-            configs = list(tables)
-            if not all(isinstance(c, KVTableConfig) for c in configs):
-                raise TypeError("KVEmbeddingBagCollection: tables must be KVTableConfig objects or a mapping")
+            given, configs = table_configs(tables)
             names = [c.name for c in configs]
             if len(set(names)) != len(names):
                 raise ValueError(f"KVEmbeddingBagCollection: table names must be unique; got {names}")
-            bags = {c.name: KVEmbeddingBag.from_config(c, clock=clock, backend=backend) for c in configs}
-            features = {c.name: c.feature_names for c in configs}
+            bags = {
+                c.name: KVEmbeddingBag.from_config(c, clock=clock, device=device, backend=backend)
+                for c in configs
+            }
         if not bags:
             raise ValueError("KVEmbeddingBagCollection: no tables")
-        everything = [f for names in features.values() for f in names]
+        everything = [f for c in configs for f in c.feature_names]
         if len(set(everything)) != len(everything):
             raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
-        super().__init__(bags, features)
+        super().__init__(bags, given, is_weighted=is_weighted, device=device)
 
+    @torch.compiler.disable  # the store is Python and numba: a graph break, so the rest of a model compiles
     def forward(self, features) -> KeyedTensor:
-        """Pool each feature of ``features`` in its table; a :class:`KeyedTensor`."""
-        batch, inputs = table_inputs(features, self._table_features)
-        pooled = {
-            table: self.embedding_bags[table](*batch_of_table) for table, batch_of_table in inputs.items()
-        }
+        """Pool each feature of ``features`` in its table; a ``KeyedTensor``."""
+        batch, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
+        pooled = {}
+        for table, (ids, offsets, weights) in inputs.items():
+            bag = self.embedding_bags[table]
+            if bag.include_last_offset:  # a bag given in a mapping may want the end too
+                offsets = torch.cat([offsets, torch.tensor([len(ids)])])
+            pooled[table] = bag(ids, offsets, weights)
         return self._keyed(batch, pooled)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:

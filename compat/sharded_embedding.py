@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate._collection import TableCollection
-from leanstate._torchrec_shapes import KeyedTensor, KVTableConfig, table_inputs
+from leanstate._torchrec_shapes import KeyedTensor, KVTableConfig, table_configs, table_inputs
 from leanstate.embedding import KVEmbeddingBag
 from leanstate.reference.sharding import BucketedTable, bucket_owner, bucket_range
 
@@ -81,7 +81,9 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
     """KV embedding tables sharded across the ranks of ``process_group`` by buckets.
 
     Args:
-        tables: ``KVTableConfig`` list, as for ``KVEmbeddingBagCollection``.
+        tables: ``KVTableConfig`` or TorchRec ``EmbeddingBagConfig`` list, as for
+            ``KVEmbeddingBagCollection``.
+        is_weighted: whether the input's weights are per-sample weights (else ignored).
         process_group: default the world; gloo on CPU, NCCL on GPUs.
         total_num_buckets: buckets per table (T); a table with ``num_embeddings`` (n) uses
             chunk mode with ``min(T, n)`` buckets of ``ceil(n / min(T, n))`` ids, a hashed
@@ -102,15 +104,17 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
         self,
         tables: Sequence[KVTableConfig],
         *,
+        is_weighted: bool = False,
         process_group: dist.ProcessGroup | None = None,
         total_num_buckets: int = 1024,
         clock=None,
         backend: str | None = None,
     ) -> None:
-        configs = list(tables)
-        if not configs or not all(isinstance(c, KVTableConfig) for c in configs):
+        given, configs = table_configs(tables)
+        if not configs:
             raise TypeError(
-                "ShardedKVEmbeddingBagCollection: tables must be a non-empty list of KVTableConfig"
+                "ShardedKVEmbeddingBagCollection: tables must be a non-empty list of KVTableConfig "
+                "or TorchRec EmbeddingBagConfig"
             )
         names = [c.name for c in configs]
         everything = [f for c in configs for f in c.feature_names]
@@ -127,7 +131,9 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
         self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         super().__init__(
             {c.name: KVEmbeddingBag.from_config(c, clock=clock, backend=backend) for c in configs},
-            {c.name: c.feature_names for c in configs},
+            given,
+            is_weighted=is_weighted,
+            device=None,
         )
         # table -> (buckets, bucket_size or None): a table of n ids has at most n buckets
         self.bucketing = {
@@ -158,9 +164,10 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
         buckets, size = self.bucketing[table]
         return bucket_owner(ids, world_size=self.world_size, total_num_buckets=buckets, bucket_size=size)
 
+    @torch.compiler.disable  # collectives and the Python store: a graph break, the rest of a model compiles
     def forward(self, features) -> KeyedTensor:
         """Pool this rank's batch; rows come from (and gradients go to) their owners."""
-        batch, inputs = table_inputs(features, self._table_features)
+        batch, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
         prepared = {
             table: self.embedding_bags[table].prepare_batch(ids, offsets, weights)
             for table, (ids, offsets, weights) in inputs.items()

@@ -122,7 +122,7 @@ def build(dim: int, group, backend: str | None):
         ),
     ]
     ebc = leanstate.ShardedKVEmbeddingBagCollection(
-        tables, process_group=group, backend=backend, clock=lambda: 0
+        tables, is_weighted=True, process_group=group, backend=backend, clock=lambda: 0
     )
     torch.manual_seed(0)
     mlp = nn.Sequential(

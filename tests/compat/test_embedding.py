@@ -140,8 +140,9 @@ def test_offloading_on_and_off_train_identically(optimizer):
     keys = on.store.keys()
     assert torch.equal(keys, off.store.keys())
     assert torch.equal(on.store.get(keys, width=D), off.store.get(keys, width=D))
+    assert on.state_dict()["_extra_state"] == off.state_dict()["_extra_state"] == 5
     for name, view in on.state_dict().items():
-        if name != "weight":
+        if name not in ("weight", "_extra_state"):
             assert torch.equal(view.narrow(0, 0, len(view)), off.state_dict()[name].narrow(0, 0, len(view)))
 
 
@@ -180,7 +181,10 @@ def test_state_dict_holds_whole_rows_and_read_only_optimizer_views():
     assert torch.equal(fresh.store.get_rows(keys), bag.store.get_rows(keys))
     with pytest.raises(RuntimeError, match='Missing key.*"momentum1"'):  # nn.Module's strict check
         fresh.load_state_dict({"weight": weight})
-    assert fresh.load_state_dict({"weight": weight}, strict=False).missing_keys == ["momentum1"]
+    assert fresh.load_state_dict({"weight": weight}, strict=False).missing_keys == [
+        "momentum1",
+        "_extra_state",
+    ]
 
 
 def test_collection_takes_torchrec_shaped_input():
@@ -191,10 +195,14 @@ def test_collection_takes_torchrec_shaped_input():
     out = collection(KeyedJaggedTensor(["user", "item"], values, lengths=lengths))
     assert torch.equal(out["user"], user(torch.tensor([1, 2, 3]), torch.tensor([0, 2])))
     assert torch.equal(out["item"], item(torch.tensor([4, 5, 6]), torch.tensor([0, 0])))
-    with pytest.raises(KeyError, match="no table"):
-        collection(
-            KeyedJaggedTensor(["user", "item", "other"], values, lengths=torch.tensor([2, 1, 0, 3, 0, 0]))
+    with_other = collection(  # a key no table reads is skipped, as TorchRec does
+        KeyedJaggedTensor(
+            ["user", "other", "item"],
+            torch.tensor([1, 2, 3, 98, 99, 4, 5, 6]),
+            lengths=torch.tensor([2, 1, 1, 1, 0, 3]),
         )
+    )
+    assert with_other.keys() == ["user", "item"] and torch.equal(with_other["item"], out["item"])
 
 
 def _train_half(optimizer: str, offloading: bool, backend: str, path: str, phase: str) -> None:

@@ -2,6 +2,7 @@
 
 import copy
 import enum
+import functools
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ from torch import nn
 import leanstate
 from leanstate import (
     KeyedJaggedTensor,
-    KeyedTensor,
     KVEmbeddingBag,
     KVEmbeddingBagCollection,
     KVTableConfig,
@@ -58,12 +58,17 @@ def test_hyperparameters_are_checked_as_torch_optim_does(argument, value):
         KVEmbeddingBag(VOCAB, D, optimizer="adam", **{argument: value})
 
 
-def test_int32_ids_get_an_error_saying_how_to_convert_them():
-    bag = KVEmbeddingBag(VOCAB, D)
+def test_int32_ids_and_offsets_pool_as_int64_and_other_dtypes_say_how_to_convert():
+    bag = KVEmbeddingBag(VOCAB, D, seed=4)
+    ids, offsets = torch.tensor([1, 2, 7]), torch.tensor([0, 2])
+    want = bag(ids, offsets)
+    assert torch.equal(bag(ids.int(), offsets.int()), want)  # nn.EmbeddingBag takes int32 too
+    assert torch.equal(bag(ids.int(), offsets), want)
     with pytest.raises(
-        TypeError, match=r"torch.int64; got torch.int32 \(convert them with ids.to\(torch.int64\)\)"
+        TypeError,
+        match=r"torch.int64 or torch.int32; got torch.int16 \(convert them with ids.to\(torch.int64\)\)",
     ):
-        bag(torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0]))
+        bag(ids.to(torch.int16), offsets)
 
 
 def test_offsets_none_needs_2d_input_like_nn_embedding_bag():
@@ -189,7 +194,7 @@ def test_collection_of_configs_shares_tables_and_returns_a_keyed_tensor():
     items, users = ebc.embedding_bags["items"], ebc.embedding_bags["users"]
     assert users.mode == "mean" and users.dtype == torch.float16 and items.num_embeddings == VOCAB
     out = ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS))
-    assert isinstance(out, KeyedTensor)
+    assert type(out).__name__ == "KeyedTensor"  # TorchRec's when it imports, else leanstate's
     assert out.keys() == KEYS and out.length_per_key() == [D, D, 2] and out.values().shape == (2, 2 * D + 2)
     expected = {
         "clicked": items(torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
@@ -215,14 +220,34 @@ def test_features_sharing_a_table_update_it_once_with_their_summed_gradients():
     assert items.store.metadata(torch.tensor([3])).item() >> 32 & 0x7FFFFFFF == 1  # one write, not two
 
 
-def test_weights_of_the_input_are_per_sample_weights():
-    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])])
+def test_weights_of_the_input_are_per_sample_weights_when_is_weighted():
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"])], is_weighted=True)
+    assert ebc.is_weighted()
     weights = torch.tensor([0.5, 2.0, -1.0])
     values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
     out = ebc(KeyedJaggedTensor(["f"], values, weights=weights, lengths=lengths))
     bag = ebc.embedding_bags["t"]
     assert torch.equal(out["f"], bag(values, torch.tensor([0, 2]), weights))
     assert not torch.equal(out["f"], bag(values, torch.tensor([0, 2])))
+    with pytest.raises(ValueError, match="is_weighted=True but the features carry no weights"):
+        ebc(KeyedJaggedTensor(["f"], values, lengths=lengths))
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_an_unweighted_collection_ignores_the_inputs_weights_as_torchrec_does(pooling):
+    ebc = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"], pooling=pooling)])
+    assert not ebc.is_weighted()
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    weighted = KeyedJaggedTensor(["f"], values, weights=torch.tensor([0.5, 2.0, -1.0]), lengths=lengths)
+    out = ebc(weighted)  # a mean table would refuse weights: they never reach it
+    assert torch.equal(out["f"], ebc.embedding_bags["t"](values, torch.tensor([0, 2])))
+    out.values().sum().backward()  # the update is the unweighted one too
+    reference = KVEmbeddingBagCollection([KVTableConfig("t", D, feature_names=["f"], pooling=pooling)])
+    reference(KeyedJaggedTensor(["f"], values, lengths=lengths)).values().sum().backward()
+    keys = torch.tensor([1, 2, 3])
+    assert torch.equal(
+        ebc.embedding_bags["t"].store.get_rows(keys), reference.embedding_bags["t"].store.get_rows(keys)
+    )
 
 
 def test_offsets_only_input_is_read_too():
@@ -252,12 +277,22 @@ def test_offsets_only_input_is_read_too():
 )
 def test_jagged_input_is_checked_against_its_keys(lengths, weights, message):
     with pytest.raises(ValueError, match=message):
-        two_tables()(KeyedJaggedTensor(KEYS, VALUES, weights=weights, lengths=lengths))
+        two_tables(is_weighted=weights is not None)(
+            KeyedJaggedTensor(KEYS, VALUES, weights=weights, lengths=lengths)
+        )
 
 
-def test_missing_or_unknown_features_are_a_key_error():
+def test_missing_features_are_a_key_error_and_unknown_ones_are_skipped():
     with pytest.raises(KeyError, match="missing features \\['users'\\]"):
         two_tables()(KeyedJaggedTensor(KEYS[:2], VALUES[:5], lengths=LENGTHS[:4]))
+    ebc = two_tables()
+    want = ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values()
+    extra = KeyedJaggedTensor(
+        ["other", *KEYS],
+        torch.cat([torch.tensor([99]), VALUES]),
+        lengths=torch.cat([torch.tensor([1, 0]), LENGTHS]),
+    )
+    assert torch.equal(ebc(extra).values(), want)
 
 
 def test_config_checks():
@@ -296,7 +331,12 @@ def test_collection_state_dict_goes_through_nn_module():
     ebc, fresh = two_tables(), two_tables()
     ebc(KeyedJaggedTensor(KEYS, VALUES, lengths=LENGTHS)).values().sum().backward()
     state = ebc.state_dict()
-    assert set(state) == {"embedding_bags.items.weight", "embedding_bags.users.weight"}
+    assert set(state) == {
+        "embedding_bags.items.weight",
+        "embedding_bags.items._extra_state",
+        "embedding_bags.users.weight",
+        "embedding_bags.users._extra_state",
+    }
     fresh.load_state_dict(state)
     store = ebc.embedding_bags["items"].store
     assert torch.equal(
@@ -413,7 +453,8 @@ def test_each_feature_pools_with_its_own_weights():
     from leanstate import KeyedJaggedTensor, KVEmbeddingBagCollection, KVTableConfig
 
     ebc = KVEmbeddingBagCollection(
-        [KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3, feature_names=["c"])]
+        [KVTableConfig("t", 4, feature_names=["a", "b"]), KVTableConfig("u", 3, feature_names=["c"])],
+        is_weighted=True,
     )
     keys = ["a", "b", "c"]
     values = torch.tensor([1, 2, 3, 4, 5, 6, 7])
@@ -431,3 +472,100 @@ def test_each_feature_pools_with_its_own_weights():
             ids, w = values[starts[bag] : starts[bag + 1]], weights[starts[bag] : starts[bag + 1]]
             want = (rows[table][ids] * w[:, None]).sum(0)
             torch.testing.assert_close(out[key][sample], want, rtol=1e-6, atol=1e-6, msg=f"{key}[{sample}]")
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_include_last_offset_reads_the_end_of_the_last_bag_as_nn_embedding_bag(mode):
+    bag = KVEmbeddingBag(VOCAB, D, mode=mode, include_last_offset=True, seed=5)
+    table = nn.EmbeddingBag(VOCAB, D, mode=mode, include_last_offset=True)
+    with torch.no_grad():
+        table.weight.copy_(bag.store.get(torch.arange(VOCAB), width=D))
+    ids, offsets = torch.tensor([1, 2, 7, 7, 3]), torch.tensor([0, 2, 2, 5])  # three bags, one empty
+    out = bag(ids, offsets)
+    assert out.shape == (3, D) and torch.equal(out, table(ids, offsets))
+    plain = KVEmbeddingBag(VOCAB, D, mode=mode, seed=5)
+    assert torch.equal(out, plain(ids, offsets[:-1]))
+    assert torch.equal(bag(ids.reshape(1, 5)), table(ids.reshape(1, 5)))  # 2-D input: the flag is moot
+    with pytest.raises(ValueError, match="include_last_offset=True needs B \\+ 1 offsets"):
+        bag(ids, torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="offsets must start at 0.*got \\[0, 2, 6\\]"):
+        bag(ids, torch.tensor([0, 2, 6]))
+
+
+def test_include_last_offset_leaves_ids_after_the_last_bag_out_and_untouched():
+    bag = KVEmbeddingBag(VOCAB, D, include_last_offset=True, lr=0.5, seed=6)
+    ids, weights = torch.tensor([1, 2, 9, -1, 8]), torch.tensor([1.0, 2.0, 3.0, 1.0, 4.0], requires_grad=True)
+    out = bag(ids, torch.tensor([0, 1, 3]), per_sample_weights=weights)  # ids 9's padding and 8: no bag
+    table = nn.EmbeddingBag(VOCAB, D, mode="sum", include_last_offset=True)
+    with torch.no_grad():
+        table.weight.copy_(bag.store.get(torch.arange(VOCAB), width=D))
+    torch.testing.assert_close(
+        out, table(ids.clamp(min=0), torch.tensor([0, 1, 3]), weights), rtol=0, atol=1e-7
+    )
+    out.sum().backward()
+    assert bag.store.keys().tolist() == [1, 2, 9] and bag.stats["ids"] == 3
+    assert weights.grad[3:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("offloading", [True, False])
+def test_the_optimizer_step_travels_in_every_state_dict(offloading):
+    make = functools.partial(
+        KVEmbeddingBag, VOCAB, D, optimizer="adam", lr=0.1, optimizer_offloading=offloading,
+        return_whole_row=offloading, clock=FakeClock(),
+    )  # fmt: skip
+    straight, first = make(), make()
+    for step in range(4):
+        ids = torch.tensor([step % 3, 5])
+        for bag in (straight, first) if step < 2 else (straight,):
+            bag(ids, torch.tensor([0])).sum().backward()
+    state = first.state_dict()
+    assert torch.equal(state["_extra_state"], torch.tensor(2)) and first.get_extra_state() == 2
+    resumed = make()
+    resumed.load_state_dict(state)  # strict: the step is one of the keys
+    assert resumed.optimizer_step == 2
+    for step in (2, 3):
+        resumed(torch.tensor([step % 3, 5]), torch.tensor([0])).sum().backward()
+    keys = straight.store.keys()
+    assert torch.equal(resumed.store.get(keys), straight.store.get(keys))
+    collection = KVEmbeddingBagCollection({"t": first})
+    assert collection.state_dict()["embedding_bags.t._extra_state"] == 2
+    resumed.set_extra_state({"optimizer_step": 7})  # extra_state()'s dict works too
+    assert resumed.optimizer_step == 7
+
+
+def test_a_plain_weight_loads_as_rows_0_to_n_minus_1_and_is_readable_by_attribute():
+    source = nn.EmbeddingBag(VOCAB, D, mode="sum")
+    bag = KVEmbeddingBag(VOCAB, D, optimizer="rowwise_adagrad")
+    assert bag.load_state_dict({"weight": source.weight.detach()}).missing_keys == []  # nothing else to bring
+    ids, offsets = torch.tensor([0, 3, VOCAB - 1]), torch.tensor([0, 1])
+    assert torch.equal(bag(ids, offsets), source(ids, offsets)) and len(bag.store) == VOCAB
+    assert bag.weight.whole_rows and bag.weight.shape == (VOCAB, bag.store.layout.width)
+    assert bag.momentum1.read_only and bag.momentum1.shape == (VOCAB, 1)
+    assert not hasattr(bag, "exp_avg")  # Adam's fields only on Adam bags
+    with pytest.raises(ValueError, match="plain weight of 31 rows does not fit num_embeddings=30"):
+        bag.load_state_dict({"weight": torch.zeros(VOCAB + 1, D)})
+
+
+def test_kv_table_config_takes_torchrecs_default_init_range():
+    config = KVTableConfig("t", D, num_embeddings=400, weight_init_min=None, weight_init_max=None)
+    assert (config.weight_init_min, config.weight_init_max) == (-0.05, 0.05)
+    assert KVTableConfig("t", D, num_embeddings=400).weight_init_max == 0.01  # leanstate's own default
+    with pytest.raises(ValueError, match="has no num_embeddings"):
+        KVTableConfig("t", D, weight_init_max=None)
+
+
+def test_the_collection_has_torchrecs_accessors_for_its_tables_given_either_way():
+    ebc = two_tables(device="cpu")
+    assert [c.name for c in ebc.embedding_bag_configs()] == ["items", "users"]
+    assert ebc.device == torch.device("cpu") and not ebc.is_weighted()
+    bags = KVEmbeddingBagCollection({"u": KVEmbeddingBag(VOCAB, D, mode="mean", seed=3)})
+    (config,) = bags.embedding_bag_configs()
+    assert (config.name, config.num_embeddings, config.feature_names, config.pooling) == (
+        "u",
+        VOCAB,
+        ["u"],
+        "mean",
+    )
+    rebuilt = KVEmbeddingBagCollection([config])
+    ids = torch.arange(VOCAB)
+    assert torch.equal(rebuilt.embedding_bags["u"].store.get(ids), bags.embedding_bags["u"].store.get(ids))

@@ -286,8 +286,8 @@ def weighted_training_matches_one_process(rank, world, folder):
     """Per-sample weights reach the forward and the backward of the exchange (the owners'
     gradients are weighted), as one process on the weighted global batch."""
     tables = [dataclasses.replace(c, pooling="sum") for c in configs()]  # weights need sum pooling
-    sharded = ShardedKVEmbeddingBagCollection(tables, clock=lambda: 1000)
-    single = KVEmbeddingBagCollection(tables, clock=lambda: 1000)
+    sharded = ShardedKVEmbeddingBagCollection(tables, is_weighted=True, clock=lambda: 1000)
+    single = KVEmbeddingBagCollection(tables, is_weighted=True, clock=lambda: 1000)
     per_key = G // world
     for step in range(3):
         full = weighted(global_batch(step), step)
