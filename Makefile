@@ -32,7 +32,7 @@ demo: $(STAMP)
 # file to a worker (a file's ranks start once): the rest wait on ranks, subprocesses and
 # fsync a third of the time, which the third worker and the simulator fill. Then, alone,
 # the regression gate: this tree's hot paths against its baseline commit's (HEAD when the
-# sources changed, else HEAD~1), rounds interleaved; a figure fails above 2x its time.
+# sources changed, else HEAD~1), rounds interleaved; a figure fails above 1.75x its time.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cudasim test-main
 	$(BIN)/python -m leanstate bench --gate

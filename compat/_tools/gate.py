@@ -12,7 +12,7 @@ alternates), so a busy neighbour slows both sides of a pair alike. A figure's ve
 the median of its paired ratios (this tree's time / the baseline's, one per round): a 3x
 slowdown reads about 3, noise about 1 (recorded noise: ``tests/compat/gate_noise.json``).
 
-- the gate fails a figure whose median ratio exceeds ``GATE_LIMIT`` (2.0);
+- the gate fails a figure whose median ratio exceeds ``GATE_LIMIT`` (1.75);
 - ``bench-compare`` calls a figure slower (faster) when its median exceeds
   ``1 + COMPARE_MARGIN`` (is below ``1 / (1 + margin)``) *and* a sign test over its
   rounds agrees (at least ``SIGN_SHARE`` of the pairs point the same way), so a few wild
@@ -32,8 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-GATE_LIMIT = 2.0
-COMPARE_MARGIN = 0.25
+GATE_LIMIT = 1.75  # the geometric middle of 1 and 3: the noise tolerated either way (measured up to 1.55)
+COMPARE_MARGIN = 0.75  # measured: unchanged trees beside a busy core read up to 1.6x apart
 SIGN_SHARE = 0.8
 WORKER = Path(__file__).with_name("_gate_worker.py")
 SOURCES = ("compat", "reference", "accelerated")
