@@ -430,6 +430,9 @@ def read_in_place(
     # The file's size is compared with the manifest before a block is claimed: a crafted
     # row count can claim no more than the file really holds.
     data = open_data_file(path, name, table["file"], table["bytes"])
+    if total == 0:  # an empty table: its file is checked, there is nothing to claim
+        data.close()
+        return
     with data, engine.writing():
         first = engine.claim(total)
         pool = memoryview(engine.rows[first : first + total].view(torch.uint8).numpy()).cast("B")

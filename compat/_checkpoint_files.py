@@ -158,8 +158,8 @@ def parse_manifest(file: Path) -> object:
     anything that is not plain JSON: bad bytes, nesting too deep, numbers too long."""
     with open_regular(file, "manifest") as f:
         text = f.read()
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    try:  # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32), no BOM
+        return json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
@@ -227,12 +227,15 @@ def read_extra(path: Path, manifest: dict) -> dict[str, object]:
         if crc32c.crc32c(data) != extra["crc"]:
             raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"{file} cannot be loaded with weights_only=True ({type(exc).__name__}: {first_line})"
         ) from exc
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{file} holds a {type(loaded).__name__}, not the dict a save writes")
+    return loaded
 
 
 @contextlib.contextmanager

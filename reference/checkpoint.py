@@ -229,6 +229,7 @@ def _read_manifest(path: Path) -> dict:
     with _open_regular(file) as f:
         text = f.read()
     try:
+        text = text.decode("utf-8")  # UTF-8 only: json.loads of bytes would take UTF-16 and -32 too
         manifest = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8, nesting too deep, 5,000-digit ints
         raise CheckpointError(f"{file}: not plain JSON ({type(exc).__name__}: {str(exc)[:200]})") from exc
@@ -427,9 +428,12 @@ def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
     if "crc" in extra and crc32c.crc32c(data) != extra["crc"]:
         raise CheckpointError(f"{file} does not match its crc32c in the manifest")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        extra = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{file} cannot be loaded with weights_only=True ({exc})") from exc
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{file} holds a {type(extra).__name__}, not the dict a save writes")
+    return extra
 
 
 # -- small rules ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ raise the same error class and change no store.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -216,6 +217,24 @@ def _starts_at_the_last_id(folder, at):
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
+def _extra_of(value):
+    """``extra.pt`` replaced by ``torch.save(value)``, its size and CRC in the manifest to match."""
+
+    def damage(folder, at):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        (folder / "extra.pt").write_bytes(buffer.getvalue())
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["extra"] = {
+            "file": "extra.pt",
+            "bytes": len(buffer.getvalue()),
+            "crc": crc32c.crc32c(buffer.getvalue()),
+        }
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    return damage
+
+
 def _edit_text(edit):
     def damage(folder, at):
         (folder / "manifest.json").write_text(edit((folder / "manifest.json").read_text()))
@@ -301,6 +320,15 @@ STRUCTURAL = {
         ),
         False,
     ),
+    "manifest in UTF-16": (
+        lambda f, at: (f / "manifest.json").write_bytes((f / "manifest.json").read_text().encode("utf-16")),
+        False,
+    ),
+    "manifest with a UTF-8 BOM": (
+        lambda f, at: (f / "manifest.json").write_bytes(b"\xef\xbb\xbf" + (f / "manifest.json").read_bytes()),
+        False,
+    ),
+    "extra holds a list": (_extra_of([1, 2]), False),
     "nesting 100,000 deep": (
         _edit_text(lambda text: text[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"),
         False,
@@ -377,3 +405,16 @@ def test_the_golden_damaged_manifests_are_refused_by_both_naming_the_key(tmp_pat
         assert type(raised.value).__name__ == GOLDEN_DAMAGE["error"], (load, raised.value)
         assert case["names"] in str(raised.value) and "manifest.json" in str(raised.value), raised.value
         assert len(store) == 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch", "reference"])
+def test_an_empty_table_loads_into_an_empty_store_of_every_backend(tmp_path, backend):
+    """A sound checkpoint of an empty table beside a full one (its file empty, no chunks):
+    both loads take it into empty stores of every backend, and the full table's rows too."""
+    empty, full = KVStore(4, optimizer_state_dim=1), KVStore(4, optimizer_state_dim=1, clock=FakeClock(3))
+    full.set(torch.arange(0, 90, 3), torch.ones(30, 4))
+    reference.save_checkpoint(tmp_path / "c", {"e": empty, "f": full}, extra={"step": 1})
+    for load in (reference.load_checkpoint, leanstate.load_checkpoint):
+        stores = {name: KVStore(4, optimizer_state_dim=1, backend=backend) for name in ("e", "f")}
+        assert load(tmp_path / "c", stores) == {"step": 1}
+        assert len(stores["e"]) == 0 and same_rows(stores["f"], full)
