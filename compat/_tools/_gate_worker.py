@@ -23,7 +23,6 @@ import leanstate
 
 ROWS, DIM, BATCH = 100_000, 64, 32_768
 torch.manual_seed(0)
-torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
 def timed(operation) -> float:
