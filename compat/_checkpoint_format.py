@@ -163,7 +163,8 @@ def is_count(value: object) -> bool:
 
 
 def is_id(value: object) -> bool:
-    return is_count(value) and value < 2**63
+    """An id: the same range as a count, ``[0, 2**63)``."""
+    return is_count(value)
 
 
 def is_crc(value: object) -> bool:
@@ -236,6 +237,11 @@ def table_problem(key: str, table: object, file: str | None = None) -> str | Non
 REQUIRED_KEYS = ("format", "version", "tables", "views", "extra")
 
 
+def saved_across_ranks(manifest: object) -> bool:
+    """Whether a parsed manifest says version 2 (the JSON integer 2): a sharded save."""
+    return isinstance(manifest, dict) and is_count(manifest.get("version")) and manifest["version"] == 2
+
+
 def manifest_problem(manifest: object) -> str | None:
     """The first way ``manifest`` breaks the schema of ``spec/checkpoint_format.md``, or None."""
     if not isinstance(manifest, dict):
@@ -245,7 +251,7 @@ def manifest_problem(manifest: object) -> str | None:
         return f"the required key {missing[0]!r} is missing"
     if manifest["format"] != FORMAT_NAME:
         return f"format {manifest['format']!r} is not {FORMAT_NAME!r}"
-    if is_count(manifest["version"]) and manifest["version"] == 2:
+    if saved_across_ranks(manifest):
         return (
             "format version 2 was saved across ranks (bucket-major, one file per rank): load it with "
             "load_checkpoint(path, module.checkpoint_tables(), process_group=...) on every rank of a "

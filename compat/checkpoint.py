@@ -48,7 +48,7 @@ from leanstate._checkpoint_format import (
     check_layout,
     chunks_in_range,
     in_range,
-    is_count,
+    saved_across_ranks,
     table_entry,
     targets_of,
 )
@@ -202,7 +202,7 @@ def _saved_across_ranks(path) -> bool:
         manifest = parse_manifest(Path(path) / MANIFEST)
     except (CheckpointError, OSError, TypeError):
         return False
-    return isinstance(manifest, dict) and is_count(manifest.get("version")) and manifest["version"] == 2
+    return saved_across_ranks(manifest)
 
 
 def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None) -> dict[str, object]:

@@ -37,6 +37,7 @@ from leanstate._checkpoint_format import (
     is_count,
     layout_fields,
     plain_name,
+    saved_across_ranks,
     targets_of,
 )
 from leanstate._checkpoint_ranks import broadcast, from_every_rank, staged_by_rank_0
@@ -157,7 +158,7 @@ def read_manifest_v2(path: Path) -> dict:
     if not os.path.lexists(file):
         return files.read_manifest(path)  # raises, naming what is missing
     manifest = files.parse_manifest(file)
-    if not isinstance(manifest, dict) or not (is_count(manifest.get("version")) and manifest["version"] == 2):
+    if not saved_across_ranks(manifest):
         return files.read_manifest(path)
     problem = checked_problem(_manifest_problem, manifest)
     if problem is not None:

@@ -73,7 +73,7 @@ def row_difference(mine: torch.Tensor, reference: torch.Tensor, ids, layout: Row
         for name, a, b in zip(fields, got, want):
             if int(a) != int(b):
                 return f"id {key}: header {name} {int(a)}, the reference {int(b)}"
-        a, b = (r[row].contiguous().view(_BITS[r.element_size()]) for r in (mine, reference))
+        a, b = (r[row].contiguous().view(_INTEGER_OF_SIZE[r.element_size()]) for r in (mine, reference))
         for column in torch.nonzero(a != b).flatten().tolist():
             if column < layout.weight_offset:
                 continue
@@ -89,7 +89,12 @@ def row_difference(mine: torch.Tensor, reference: torch.Tensor, ids, layout: Row
     return None
 
 
-_BITS = {4: torch.int32, 2: torch.int16}
+_INTEGER_OF_SIZE = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}  # compare bits, not values
 
 
 def _shown(value) -> str:
@@ -102,7 +107,7 @@ def _first_cell(reference: torch.Tensor, mine: torch.Tensor, ids) -> str:
     """The first position where two results differ, naming the id of its row."""
     if reference.shape != mine.shape or reference.dtype != mine.dtype:
         return f"shape {tuple(mine.shape)} {mine.dtype}, the reference {tuple(reference.shape)} {reference.dtype}"
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[reference.element_size()]
+    bits = _INTEGER_OF_SIZE[reference.element_size()]
     where = torch.nonzero(reference.contiguous().view(bits) != mine.contiguous().view(bits))
     if len(where) == 0:
         return "no difference"

@@ -1,8 +1,8 @@
 """One side of the regression gate: the hot paths of whichever leanstate ``import leanstate``
-finds, timed one round at a time on command.
+finds, each timed on command.
 
 The gate runs this source twice, with ``python -c``: once over this tree and once over
-the baseline's sources (on ``PYTHONPATH``), and alternates their rounds. So it uses the
+the baseline's sources (on ``PYTHONPATH``), and alternates their runs. So it uses the
 public API alone (what every commit has), and a figure a tree cannot run is reported as
 missing rather than failing the worker. Protocol: after set-up, one JSON line on stdout
 (the figures it runs, and why any are missing); then per command line on stdin,
@@ -61,16 +61,21 @@ def store_figures(folder: str) -> dict:
     }, store
 
 
-def sharded_figures(folder: str, store) -> dict:
-    """Version-2 save and load (one rank) and DCP save and load of the same rows."""
+def one_rank_group():
+    """A one-process gloo group (version 2 and ZeRO need one), made once."""
     import torch.distributed as dist
-
-    import leanstate.dcp
-    from leanstate.reference.sharding import BucketedTable
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    group = dist.group.WORLD
+    return dist.group.WORLD
+
+
+def sharded_figures(folder: str, store) -> dict:
+    """Version-2 save and load (one rank) and DCP save and load of the same rows."""
+    import leanstate.dcp
+    from leanstate.reference.sharding import BucketedTable
+
+    group = one_rank_group()
     v2, dcp = os.path.join(folder, "v2"), os.path.join(folder, "dcp")
 
     def table(target):
@@ -101,7 +106,6 @@ def sharded_figures(folder: str, store) -> dict:
 
 def training_figures() -> dict:
     """An SGD step of a KV embedding bag (forward, backward, fused update) and a ZeRO step."""
-    import torch.distributed as dist
     from torch import nn
 
     bag = leanstate.KVEmbeddingBag(ROWS, DIM, optimizer="sgd", lr=0.01)
@@ -112,8 +116,7 @@ def training_figures() -> dict:
     def sgd_step() -> float:
         return timed(lambda: bag(ids, offsets).sum().backward())
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one_rank_group()
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(12)))
     optimizer = leanstate.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     model(torch.randn(64, 1024)).sum().backward()

@@ -21,6 +21,7 @@ slowdown reads about 3, noise about 1 (recorded noise: ``tests/compat/gate_noise
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -150,11 +151,8 @@ def checkout(root: Path, commit: str, into: Path) -> Path:
         return folder
     staging = Path(tempfile.mkdtemp(dir=into))
     archive = subprocess.run(["git", "archive", commit, *SOURCES], cwd=root, capture_output=True, check=True)
-    with tempfile.TemporaryFile() as data:
-        data.write(archive.stdout)
-        data.seek(0)
-        with tarfile.open(fileobj=data) as tar:
-            tar.extractall(staging, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(staging, filter="data")
     (staging / "compat").rename(staging / "leanstate")
     for name in ("reference", "accelerated"):
         (staging / name).rename(staging / "leanstate" / name)
@@ -181,7 +179,8 @@ def working_tree(root: Path, into: Path) -> Path:
 
 
 def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, log=print) -> list[Verdict]:
-    """This tree against ``commit``, round by round (ABBA order); each figure's verdict."""
+    """This tree against ``commit``, round by round, each figure's two sides back to back
+    (their order alternating); each figure's verdict."""
     into = into or root / ".bench-old"
     into.mkdir(exist_ok=True)
     old_tree = checkout(root, commit, into)
@@ -195,11 +194,12 @@ def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, 
             figures.append(set(ready["figures"]))
             for name, problem in ready["problems"].items():
                 log(f"gate: the {worker.label} tree has no {name} figures ({problem})")
+        both = sorted(figures[0] & figures[1])
         new_times, old_times = [], []
         for k in range(rounds):
             new_times.append({})
             old_times.append({})
-            for f, name in enumerate(sorted(figures[0] & figures[1])):
+            for f, name in enumerate(both):
                 # the two sides of a pair run back to back, first one then the other (ABBA)
                 order = ((new, new_times), (old, old_times))
                 for worker, times in order if (k + f) % 2 == 0 else order[::-1]:
