@@ -56,7 +56,16 @@ _KEPT = {
 }
 
 
-_STAR_PARENTS = ("parameters", "param", "argument", "star_expr", "lambdef", "import_from", "dictorsetmaker", "arglist")
+_STAR_PARENTS = (
+    "parameters",
+    "param",
+    "argument",
+    "star_expr",
+    "lambdef",
+    "import_from",
+    "dictorsetmaker",
+    "arglist",
+)
 
 # the node types holding an annotation, and the operator before it
 _ANNOTATED = {"tfpdef": ":", "annassign": ":", "funcdef": "->"}
@@ -73,7 +82,11 @@ def _guarded(node: tree.NodeOrLeaf) -> bool:
             return True
         if parent.type in _ANNOTATED:
             previous = child.get_previous_sibling()
-            if previous is not None and previous.type == "operator" and previous.value == _ANNOTATED[parent.type]:
+            if (
+                previous is not None
+                and previous.type == "operator"
+                and previous.value == _ANNOTATED[parent.type]
+            ):
                 return True
         child, parent = parent, parent.parent
     return False
@@ -94,7 +107,10 @@ def _call_statement(node: tree.NodeOrLeaf) -> bool:
     if first.type in ("raise_stmt", "assert_stmt", "del_stmt"):
         return True
     if first.type == "expr_stmt":  # x += 1 (a plain assignment dropped is only a NameError)
-        return any(child.type == "operator" and child.value.endswith("=") and child.value != "=" for child in first.children)
+        return any(
+            child.type == "operator" and child.value.endswith("=") and child.value != "="
+            for child in first.children
+        )
     last = first.children[-1] if first.type == "atom_expr" else None
     return last is not None and last.type == "trailer" and last.children[0].value == "("
 
@@ -136,7 +152,9 @@ class RemoveKeywordArgument(Operator):
     def mutation_positions(self, node):
         if node.type in ("arglist", "trailer") and not _guarded(node):
             # a list: the visitor mutates the node before this generator resumes
-            yield from [(node.children[i].start_pos, node.children[i].end_pos) for i in _keyword_arguments(node)]
+            yield from [
+                (node.children[i].start_pos, node.children[i].end_pos) for i in _keyword_arguments(node)
+            ]
 
     def mutate(self, node, index):
         i = _keyword_arguments(node)[index]

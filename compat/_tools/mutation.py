@@ -37,11 +37,13 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "mutation" / "groups.toml"
@@ -74,7 +76,8 @@ def _git(*args: str) -> str:
 def _coverage_map(name: str, group: dict) -> dict:
     """The group's tests run once unmutated under coverage; ``{module: {line: [node ids]}}``
     and the run's wall time, cached until the modules or test files change."""
-    key = _digest(group["modules"] + group["tests"])
+    tool = [str(Path(__file__).relative_to(ROOT)), "compat/_tools/_mutation_context.py"]
+    key = _digest(group["modules"] + group["tests"] + tool)
     cache = WORK / f"{name}.baseline.json"
     if cache.exists() and json.loads(cache.read_text())["key"] == key:
         return json.loads(cache.read_text())
@@ -85,11 +88,13 @@ def _coverage_map(name: str, group: dict) -> dict:
     rcfile.write_text(
         f"[run]\ndata_file = {WORK / (name + '.cov')}\nparallel = true\ninclude = {include}\npatch = _exit\n"
     )
-    command = [sys.executable, "-m", "coverage", "run", f"--rcfile={rcfile}", *PYTEST[1:]]
+    command = [sys.executable, "-m", "coverage", "run", f"--rcfile={rcfile}", *PYTEST]
     command += ["-p", "leanstate._tools._mutation_context", *group["tests"]]
     print(f"[{name}] baseline: the tests unmutated, under coverage", flush=True)
     start = time.monotonic()
-    run = subprocess.run(["nice", "-n", "19", *command], cwd=ROOT, capture_output=True, text=True)
+    durations = WORK / f"{name}.durations.json"
+    env = {**os.environ, "LEANSTATE_MUTATION_DURATIONS": str(durations)}
+    run = subprocess.run(["nice", "-n", "19", *command], cwd=ROOT, capture_output=True, text=True, env=env)
     seconds = time.monotonic() - start
     if run.returncode != 0:
         sys.exit(f"[{name}] the group's tests fail unmutated:\n{run.stdout[-3000:]}{run.stderr[-2000:]}")
@@ -104,7 +109,12 @@ def _coverage_map(name: str, group: dict) -> dict:
     for module in group["modules"]:
         contexts = data.contexts_by_lineno(str(ROOT / module))
         lines[module] = {str(line): sorted(c for c in ids if c) for line, ids in contexts.items()}
-    baseline = {"key": key, "seconds": round(seconds, 1), "lines": lines}
+    baseline = {
+        "key": key,
+        "seconds": round(seconds, 1),
+        "lines": lines,
+        "durations": json.loads(durations.read_text()),
+    }
     cache.write_text(json.dumps(baseline))
     return baseline
 
@@ -161,11 +171,17 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             survivors = [job for job, r in db.results if r.test_outcome == TestOutcome.SURVIVED]
             _forget(db, survivors)
         trees = {m: parso.parse((ROOT / m).read_text()) for m in group["modules"]}
-        pending = sorted(db.pending_work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos))
-        print(f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True)
+        pending = sorted(
+            db.pending_work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos)
+        )
+        print(
+            f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
+        )
         for done, item in enumerate(pending):
             if time.monotonic() > deadline:
-                print(f"[{name}] out of time: {len(pending) - done} mutants left for the next run", flush=True)
+                print(
+                    f"[{name}] out of time: {len(pending) - done} mutants left for the next run", flush=True
+                )
                 break
             mutation = item.mutations[0]
             module = str(mutation.module_path)
@@ -173,7 +189,8 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             if _in_function_body(trees[module], mutation.start_pos):
                 for line in range(mutation.start_pos[0], mutation.end_pos[0] + 1):
                     tests.update(baseline["lines"][module].get(str(line), ()))
-            targets = sorted(tests) or group["tests"]
+            # fastest first: -x stops at the first failure
+            targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or group["tests"]
             command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *targets])
             result = mutate_and_test(item.mutations, command, timeout)
             db.set_result(item.job_id, result)
@@ -263,7 +280,9 @@ def write_report() -> Path:
     """Rewrite ``tests/MUTATION.md`` from the groups' results and the survivors' notes."""
     groups = _groups()
     notes = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
-    records = {n: json.loads((RESULTS / f"{n}.json").read_text()) for n in groups if (RESULTS / f"{n}.json").exists()}
+    records = {
+        n: json.loads((RESULTS / f"{n}.json").read_text()) for n in groups if (RESULTS / f"{n}.json").exists()
+    }
     out = [
         "# Mutation testing",
         "",
@@ -326,8 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m leanstate._tools.mutation [--groups a,b] [--minutes N] ...``"""
     groups = _groups()
     parser = argparse.ArgumentParser(prog="make mutate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", default="", help=f"comma-separated, of: {', '.join(groups)} (default: all)")
-    parser.add_argument("--minutes", type=float, default=0, help="start no mutant after this long (0: no limit)")
+    parser.add_argument(
+        "--groups", default="", help=f"comma-separated, of: {', '.join(groups)} (default: all)"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=0, help="start no mutant after this long (0: no limit)"
+    )
     parser.add_argument("--rerun-survivors", action="store_true", help="run the groups' survivors again")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from the results")
     args = parser.parse_args(argv)
@@ -337,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--groups: unknown {', '.join(unknown)}; the groups are {', '.join(groups)}")
     deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
     os.chdir(ROOT)
+    # a stopped run puts the mutated file back (cosmic-ray restores it on the way out)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped; what ran is kept, the rest is pending"))
     if not args.report_only:
         for name in chosen:
             if time.monotonic() > deadline:
