@@ -5,7 +5,7 @@ cosmic-ray's full set crosses every binary and comparison operator with every ot
 (a ``+`` becomes eleven mutants) and adds random variable replacements; most of those are
 killed by any test that runs the line and only slow the run down. The set here is one
 natural mistake per operator: ``+``/``-`` swapped, ``<`` for ``<=``, ``and`` for ``or``,
-a constant off by one, a check or a call left out. No operator touches a string, so
+a constant one too large, a check or a call left out. No operator touches a string, so
 docstrings and error messages are never mutated, and nothing inside an f-string or a
 type annotation is mutated (an annotation is never evaluated here).
 """
@@ -115,6 +115,32 @@ def _call_statement(node: tree.NodeOrLeaf) -> bool:
     return last is not None and last.type == "trailer" and last.children[0].value == "("
 
 
+class AddNot(boolean_replacer.AddNot):
+    """cosmic-ray's ``AddNot``, but not where the condition already starts with ``not``
+    (``not not x`` is the mutant that removing that ``not`` makes)."""
+
+    def mutation_positions(self, node):
+        if _guarded(node):
+            return
+        for start, end in super().mutation_positions(node):
+            condition = node.children[2] if node.type == "test" else node.children[1]
+            if condition.type != "not_test":
+                yield start, end
+
+
+class NumberPlusOne(number_replacer.NumberReplacer):
+    """A number one more than written (cosmic-ray's ``NumberReplacer`` also makes one less,
+    which on these modules fails where the plus-one mutant fails: it doubled the run)."""
+
+    def mutation_positions(self, node):
+        if not _guarded(node):
+            yield from list(super().mutation_positions(node))[:1]
+
+    @classmethod
+    def examples(cls):
+        return (Example("x = 1", "x = 2"), Example("x = 4.2", "x = 5.2"))
+
+
 class RemoveStatement(Operator):
     """A call made for its effect, a ``raise``, an ``assert``, a ``del`` or an augmented
     assignment left out (replaced by ``pass``)."""
@@ -190,13 +216,13 @@ def _operators() -> dict[str, type[Operator]]:
         boolean_replacer.ReplaceFalseWithTrue,
         boolean_replacer.ReplaceAndWithOr,
         boolean_replacer.ReplaceOrWithAnd,
-        boolean_replacer.AddNot,
         break_continue.ReplaceBreakWithContinue,
         break_continue.ReplaceContinueWithBreak,
-        number_replacer.NumberReplacer,
         zero_iteration_for_loop.ZeroIterationForLoop,
     ):
         kept[core.__name__] = _unguarded(core, core.__name__)
+    kept["AddNot"] = AddNot
+    kept["NumberPlusOne"] = NumberPlusOne
     kept["RemoveStatement"] = RemoveStatement
     kept["RemoveKeywordArgument"] = RemoveKeywordArgument
     return kept

@@ -142,7 +142,7 @@ def _open_session(name: str, group: dict):
 
     cosmic_ray.plugins.OPERATOR_PROVIDERS.clear()
     cosmic_ray.plugins.OPERATOR_PROVIDERS["leanstate"] = OperatorProvider()
-    key = _digest(group["modules"])
+    key = _digest([*group["modules"], "compat/_tools/_mutation_ops.py"])
     stamp = WORK / f"{name}.modules"
     db = WorkDB(str(WORK / f"{name}.sqlite"), WorkDB.Mode.create)
     if not stamp.exists() or stamp.read_text() != key:
@@ -185,10 +185,13 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
                 break
             mutation = item.mutations[0]
             module = str(mutation.module_path)
+            lines = baseline["lines"][module]
             tests: set[str] = set()
             if _in_function_body(trees[module], mutation.start_pos):
                 for line in range(mutation.start_pos[0], mutation.end_pos[0] + 1):
-                    tests.update(baseline["lines"][module].get(str(line), ()))
+                    tests.update(lines.get(str(line), ()))
+            else:  # run at import: what it defines reaches only the tests that run the module
+                tests.update(t for ids in lines.values() for t in ids)
             # fastest first: -x stops at the first failure
             targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or group["tests"]
             command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *targets])
