@@ -171,9 +171,16 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             survivors = [job for job, r in db.results if r.test_outcome == TestOutcome.SURVIVED]
             _forget(db, survivors)
         trees = {m: parso.parse((ROOT / m).read_text()) for m in group["modules"]}
-        pending = sorted(
-            db.pending_work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos)
-        )
+
+        def order(item) -> tuple:  # import-time mutants last: each runs every test of its module
+            m = item.mutations[0]
+            return (
+                not _in_function_body(trees[str(m.module_path)], m.start_pos),
+                str(m.module_path),
+                m.start_pos,
+            )
+
+        pending = sorted(db.pending_work_items, key=order)
         print(
             f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
         )
@@ -198,9 +205,22 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             result = mutate_and_test(item.mutations, command, timeout)
             db.set_result(item.job_id, result)
             print(f"[{name}] {done + 1}/{len(pending)} {_describe(mutation)}: {_outcome(result)}", flush=True)
+    finally:  # also when stopped: what ran is reported, the rest as not run
         _export(name, group, db, baseline)
-    finally:
         db.close()
+
+
+def _stop(*_) -> None:
+    """SIGTERM: end the running test command's process group (its own session, so the
+    signal did not reach it) and leave; cosmic-ray puts the mutated file back on the way out."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit("stopped: what ran is kept, the rest is left for the next run")
 
 
 def _forget(db, jobs: list[str]) -> None:
@@ -364,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
     os.chdir(ROOT)
     # a stopped run puts the mutated file back (cosmic-ray restores it on the way out)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped; what ran is kept, the rest is pending"))
+    signal.signal(signal.SIGTERM, _stop)
     if not args.report_only:
         for name in chosen:
             if time.monotonic() > deadline:
