@@ -76,8 +76,7 @@ def _git(*args: str) -> str:
 def _coverage_map(name: str, group: dict) -> dict:
     """The group's tests run once unmutated under coverage; ``{module: {line: [node ids]}}``
     and the run's wall time, cached until the modules or test files change."""
-    tool = [str(Path(__file__).relative_to(ROOT)), "compat/_tools/_mutation_context.py"]
-    key = _digest(group["modules"] + group["tests"] + tool)
+    key = _digest([*group["modules"], *group["tests"], "compat/_tools/_mutation_context.py"])
     cache = WORK / f"{name}.baseline.json"
     if cache.exists() and json.loads(cache.read_text())["key"] == key:
         return json.loads(cache.read_text())
