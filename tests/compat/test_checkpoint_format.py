@@ -1,0 +1,47 @@
+"""The whole-row format's schema as the checkpoint I/O checks it
+(``leanstate._checkpoint_format``): what a ``tables`` argument means, the documented
+defaults, and the manifest rules, each where the round trips of ``test_checkpoint.py`` do
+not reach."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from leanstate._checkpoint_files import read_manifest
+from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.kv_store import KVStore
+from leanstate.reference.kv_tensor import KVTensor
+
+
+def filled(n: int = 20, dim: int = 6, state: int = 2) -> KVStore:
+    store = KVStore(dim, optimizer_state_dim=state, seed=1)
+    store.set(torch.arange(n), torch.randn(n, dim, generator=torch.Generator().manual_seed(n)))
+    return store
+
+
+@pytest.mark.parametrize("function", [save_checkpoint, load_checkpoint])
+def test_a_chunk_is_64_mib_by_default_as_the_spec_states(function):
+    assert inspect.signature(function).parameters["chunk_bytes"].default == 64 * 2**20
+
+
+def test_tables_that_are_not_a_mapping_are_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="save_checkpoint: tables must be a mapping"):
+        save_checkpoint(tmp_path / "ck", [filled()])
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_whole_row_view_of_some_columns_is_a_view_not_a_table(tmp_path):
+    src = filled()
+    past_header = src.layout.header_elems
+    save_checkpoint(tmp_path / "ck", {"t": src, "body": KVTensor(src, whole_rows=True, width_offset=past_header)})
+    manifest = read_manifest(tmp_path / "ck")
+    assert set(manifest["tables"]) == {"t"}
+    assert manifest["views"]["body"]["whole_rows"] is True
+    assert manifest["views"]["body"]["width_offset"] == past_header
+    dst = KVStore(6, optimizer_state_dim=2)
+    with pytest.raises(ValueError, match="writable partial view"):
+        load_checkpoint(tmp_path / "ck", {"t": KVTensor(dst, whole_rows=True, width_offset=past_header)})
+    assert len(dst.keys()) == 0
