@@ -315,13 +315,19 @@ def write_report() -> Path:
         "",
         "Operators: comparison (`==`/`!=`, `<`/`<=`, `>`/`>=`, `is`/`is not`), boolean (`and`/`or`,",
         "`True`/`False`, an added or removed `not`), arithmetic (`+`/`-`, `*`/`/`, `//`, `%`, `**`,",
-        "shifts, bit operators, unary minus removed), constant (a number off by one), removed",
+        "shifts, bit operators, unary minus removed), constant (a number one larger), removed",
         "statement (a call, `raise`, `assert`, `del` or augmented assignment replaced by `pass`),",
         "removed keyword argument, loop (`break`/`continue` swapped, a `for` over nothing). No",
         "string is mutated (docstrings, error messages), nor anything in an f-string or an",
         "annotation. Each mutant runs the tests that reach its line (`-x -q -p no:randomly`,",
         "`nice -n 19`, a timeout of twice the group's coverage run); a timeout counts as killed.",
-        "Kill rate: (killed + timeout) / (killed + timeout + survived).",
+        "Kill rate: (killed + timeout) / (killed + timeout + survived), over the mutants run; a",
+        "group cut short by `--minutes` reads *partial* and keeps the rest for its next run.",
+        "",
+        "The tool is cosmic-ray: it writes each mutant into the source file and runs the tests in",
+        "a new process group, so the gloo ranks and subprocesses the tests start import the",
+        "mutant too, numba compiles it like any source, and a hung mutant's processes are killed",
+        "at the timeout.",
         "",
         "| family | group | modules | mutants | killed | timeout | survived | not run | kill rate | run on |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -336,6 +342,7 @@ def write_report() -> Path:
         families.setdefault(group["family"], []).extend(record["mutants"])
         c = _count(record["mutants"])
         stale = " (stale: modules changed since)" if record["modules"] != _digest(group["modules"]) else ""
+        stale += " (partial)" if c["pending"] else ""
         out.append(
             f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | {c['killed']} | {c['timeout']}"
             f" | {c['survived']} | {c['pending'] + c['incompetent']} | {_rate(c)} | {record['commit']},"
@@ -344,7 +351,12 @@ def write_report() -> Path:
     out += ["", "Per family (the groups run so far):", ""]
     for family, mutants in families.items():
         c = _count(mutants)
-        out.append(f"- {family}: {len(mutants)} mutants, kill rate {_rate(c)}")
+        names = [n for n, g in groups.items() if g["family"] == family]
+        missing = [n for n in names if n not in records]
+        out.append(
+            f"- {family}: {len(mutants) - c['pending']} of {len(mutants)} mutants run, kill rate {_rate(c)}"
+            + (f"; not run yet: {', '.join(missing)}" if missing else "")
+        )
     for name, record in records.items():
         survivors = [m for m in record["mutants"] if m.get("diff")]
         if not survivors:
