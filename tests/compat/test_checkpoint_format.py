@@ -14,6 +14,7 @@ from leanstate._checkpoint_files import read_manifest
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.sharding import BucketedTable
 
 
 def filled(n: int = 20, dim: int = 6, state: int = 2) -> KVStore:
@@ -36,7 +37,9 @@ def test_tables_that_are_not_a_mapping_are_refused_by_name(tmp_path):
 def test_a_whole_row_view_of_some_columns_is_a_view_not_a_table(tmp_path):
     src = filled()
     past_header = src.layout.header_elems
-    save_checkpoint(tmp_path / "ck", {"t": src, "body": KVTensor(src, whole_rows=True, width_offset=past_header)})
+    save_checkpoint(
+        tmp_path / "ck", {"t": src, "body": KVTensor(src, whole_rows=True, width_offset=past_header)}
+    )
     manifest = read_manifest(tmp_path / "ck")
     assert set(manifest["tables"]) == {"t"}
     assert manifest["views"]["body"]["whole_rows"] is True
@@ -45,3 +48,9 @@ def test_a_whole_row_view_of_some_columns_is_a_view_not_a_table(tmp_path):
     with pytest.raises(ValueError, match="writable partial view"):
         load_checkpoint(tmp_path / "ck", {"t": KVTensor(dst, whole_rows=True, width_offset=past_header)})
     assert len(dst.keys()) == 0
+
+
+def test_a_sharded_modules_table_without_a_process_group_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"tables\['t'\] is a sharded module's table .* pass process_group="):
+        save_checkpoint(tmp_path / "ck", {"t": BucketedTable(filled(), 4, None)})
+    assert not (tmp_path / "ck").exists()
