@@ -166,9 +166,6 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
     timeout = float(group.get("timeout", max(60.0, 2 * baseline["seconds"])))
     db = _open_session(name, group)
     try:
-        if rerun_survivors:
-            survivors = [job for job, r in db.results if r.test_outcome == TestOutcome.SURVIVED]
-            _forget(db, survivors)
         trees = {m: parso.parse((ROOT / m).read_text()) for m in group["modules"]}
 
         def order(item) -> tuple:  # import-time mutants last: each runs every test of its module
@@ -179,7 +176,10 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
                 m.start_pos,
             )
 
-        pending = sorted(db.pending_work_items, key=order)
+        todo = list(db.pending_work_items)
+        if rerun_survivors:  # their results are overwritten
+            todo += [w for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+        pending = sorted(todo, key=order)
         print(
             f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
         )
@@ -220,14 +220,6 @@ def _stop(*_) -> None:
         except ProcessLookupError:
             pass
     sys.exit("stopped: what ran is kept, the rest is left for the next run")
-
-
-def _forget(db, jobs: list[str]) -> None:
-    """Drop the results of ``jobs`` so that they run again."""
-    from cosmic_ray.work_db import WorkResultStorage
-
-    with db._session_maker.begin() as session:
-        session.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(jobs)).delete()
 
 
 def _describe(mutation) -> str:
