@@ -38,7 +38,7 @@ def test_each_operator_mutates_its_examples_as_stated(name):
 
 def test_strings_annotations_f_strings_and_signature_stars_are_left_alone():
     source = (
-        "def f(x: int | None = None, *args, **kw) -> int | None:\n"
+        "def f(x: int | None = None, *, y, **kw) -> int | None:\n"
         '    """Twice x."""\n'
         "    y: int | None = kw\n"
         '    raise ValueError(f"x={x + 1}")\n'
