@@ -54,3 +54,19 @@ def test_a_sharded_modules_table_without_a_process_group_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"tables\['t'\] is a sharded module's table .* pass process_group="):
         save_checkpoint(tmp_path / "ck", {"t": BucketedTable(filled(), 4, None)})
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a/b", ".hidden", "a\0b", "x" * 201, "é" * 101],
+    ids=["a-slash", "a-leading-dot", "a-nul", "201-bytes", "202-utf8-bytes"],
+)
+def test_a_table_name_breaking_one_rule_alone_is_refused(tmp_path, name):
+    with pytest.raises(ValueError, match="save_checkpoint: table name .* must be a plain file name"):
+        save_checkpoint(tmp_path / "ck", {name: filled()})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_table_name_of_200_bytes_is_a_file_name(tmp_path):
+    save_checkpoint(tmp_path / "ck", {"x" * 200: filled()})
+    assert (tmp_path / "ck" / ("x" * 200 + ".rows")).exists()
