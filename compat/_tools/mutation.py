@@ -176,9 +176,10 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
                 m.start_pos,
             )
 
-        todo = list(db.pending_work_items)
         if rerun_survivors:  # their results are overwritten
-            todo += [w for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+            todo = [w for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+        else:
+            todo = list(db.pending_work_items)
         pending = sorted(todo, key=order)
         print(
             f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
@@ -377,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--minutes", type=float, default=0, help="start no mutant after this long (0: no limit)"
     )
-    parser.add_argument("--rerun-survivors", action="store_true", help="run the groups' survivors again")
+    parser.add_argument(
+        "--rerun-survivors", action="store_true", help="run only the groups' survivors, again"
+    )
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from the results")
     args = parser.parse_args(argv)
     chosen = [g for g in args.groups.split(",") if g] or list(groups)
