@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from leanstate._checkpoint_files import read_manifest
+from leanstate._checkpoint_format import is_count, is_crc, is_id
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.kv_tensor import KVTensor
@@ -70,3 +71,10 @@ def test_a_table_name_breaking_one_rule_alone_is_refused(tmp_path, name):
 def test_a_table_name_of_200_bytes_is_a_file_name(tmp_path):
     save_checkpoint(tmp_path / "ck", {"x" * 200: filled()})
     assert (tmp_path / "ck" / ("x" * 200 + ".rows")).exists()
+
+
+def test_counts_ids_and_crcs_stop_at_their_bounds():
+    assert is_count(0) and is_count(2**63 - 1) and not is_count(2**63) and not is_count(-1)
+    assert not is_count(True) and not is_count(1.0)
+    assert is_id(2**63 - 1) and not is_id(2**63)
+    assert is_crc(2**32 - 1) and not is_crc(2**32) and not is_crc(-1)
