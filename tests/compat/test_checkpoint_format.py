@@ -197,3 +197,44 @@ def test_one_row_chunks_and_a_bare_extra_name_are_read(saved):
     store = filled()
     save_checkpoint(saved.parent / "ones", {"t": store}, chunk_bytes=store.layout.row_bytes)
     assert [c["rows"] for c in read_manifest(saved.parent / "ones")["tables"]["t"]["chunks"]] == [1] * 20
+
+
+@pytest.mark.parametrize(
+    "id_range, ids",
+    [
+        ((4, 10), range(4, 10)),  # from a chunk's last id (4) to the next-but-one's first (10)
+        ((-(2**63), 3), range(0, 3)),
+        ((15, 2**63), range(15, 20)),
+        ((7, 7), []),
+    ],
+    ids=["chunk-edges", "from-the-lowest-bound", "to-the-highest-bound", "empty"],
+)
+def test_an_id_range_loads_exactly_its_half_open_share(saved, id_range, ids):
+    dst = KVStore(6, optimizer_state_dim=2)
+    load_checkpoint(saved, {"t": dst}, id_range=id_range)
+    assert sorted(dst.keys().tolist()) == list(ids)
+
+
+@pytest.mark.parametrize("bound", [-(2**63) - 1, 2**63 + 1, True, 1.0])
+def test_an_id_range_bound_outside_int64_and_one_or_not_an_int_is_refused(saved, bound):
+    with pytest.raises(ValueError, match="load_checkpoint: id_range (lo|hi) must be an int in"):
+        load_checkpoint(
+            saved,
+            {"t": KVStore(6, optimizer_state_dim=2)},
+            id_range=(bound, 2**63) if bound < 0 else (0, bound),
+        )
+
+
+def test_an_id_range_must_be_a_pair_in_order(saved):
+    for bad in [(1,), (3, 2), "ab"]:
+        with pytest.raises(ValueError, match="load_checkpoint: id_range must"):
+            load_checkpoint(saved, {"t": KVStore(6, optimizer_state_dim=2)}, id_range=bad)
+
+
+@pytest.mark.parametrize(
+    "state, named",
+    [(0, "sgd-sized"), (1, "rowwise_adagrad-sized"), (12, "adam-sized"), (3, "3 state values per row")],
+)
+def test_a_store_of_another_optimizer_is_named_by_its_state_size(saved, state, named):
+    with pytest.raises(CheckpointError, match=f"saved 2 state values per row, this store {named}"):
+        load_checkpoint(saved, {"t": KVStore(6, optimizer_state_dim=state)})
