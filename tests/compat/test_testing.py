@@ -8,6 +8,7 @@ no false alarm on the correct store.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 import leanstate
 from leanstate import KVStore
@@ -380,3 +382,37 @@ def test_row_difference_names_the_column_of_a_weight_padding_or_state(column, pa
         row_difference(mine, reference, ids, layout)
         == f"id 9: {part} is 2.5, the reference {reference[1, at].item()}"
     )
+
+
+class _OffByOneInIdThree(KVStore):
+    """A store whose ``get`` returns 64 in one cell of id 3 (the kit's values are quarters in [-2, 2])."""
+
+    def get(self, ids, *args, **kwargs):
+        values = super().get(ids, *args, **kwargs)
+        if values.shape[1] > 1:
+            values[ids == 3, 1] = 64
+        return values
+
+
+def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference():
+    def make_store(dim, **options):
+        return _OffByOneInIdThree(dim, backend="reference", **options)
+
+    with pytest.raises(AssertionError) as failure:
+        # not shrunk: the first failing get, id 3 wherever it falls among its ids
+        run_store_machine(
+            make_store,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=20,
+                deadline=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                database=None,
+            ),
+        )
+    message = str(failure.value)
+    found = re.search(r"\) differs: id 3, column 1: (\S+), the reference (\S+)", message)
+    assert found is not None, message
+    assert float(found.group(1)) == 64 != float(found.group(2)), message
+    assert "get(tensor([" in message, message  # the operations show short id tensors by value
