@@ -416,3 +416,27 @@ def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference()
     assert found is not None, message
     assert float(found.group(1)) == 64 != float(found.group(2)), message
     assert "get(tensor([" in message, message  # the operations show short id tensors by value
+
+
+def test_a_shown_operation_lists_up_to_24_values_and_a_longer_tensors_shape():
+    from leanstate.testing import _shown
+
+    assert _shown(torch.arange(24)) == f"tensor({list(range(24))})"
+    assert _shown(torch.arange(25)) == "tensor of shape (25,)"
+    assert _shown(7) == "7"
+
+
+def test_the_first_differing_cell_is_told_from_a_shape_or_dtype_difference():
+    from leanstate.testing import _first_cell
+
+    base = torch.zeros(2, 3)
+    assert (
+        _first_cell(base, torch.zeros(3, 3), [4, 5])
+        == "shape (3, 3) torch.float32, the reference (2, 3) torch.float32"
+    )
+    assert (
+        _first_cell(base, base.double(), [4, 5])
+        == "shape (2, 3) torch.float64, the reference (2, 3) torch.float32"
+    )
+    assert _first_cell(base, base.clone(), [4, 5]) == "no difference"
+    assert _first_cell(torch.zeros(2), torch.tensor([0.0, 1.0]), [4, 5]) == "id 5: 1.0, the reference 0.0"
