@@ -416,6 +416,11 @@ def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference()
     assert found is not None, message
     assert float(found.group(1)) == 64 != float(found.group(2)), message
     assert "get(tensor([" in message, message  # the operations show short id tensors by value
+    shown = int(re.search(r"after \(the last (\d+) operations\)", message).group(1))
+    listed = message.split("operations):\n")[1].splitlines()
+    assert len(listed) == shown and listed[-1].startswith("  get(tensor(["), (
+        message
+    )  # the last ones, to the failing get
 
 
 def test_a_shown_operation_lists_up_to_24_values_and_a_longer_tensors_shape():
