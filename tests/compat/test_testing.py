@@ -445,3 +445,26 @@ def test_the_first_differing_cell_is_told_from_a_shape_or_dtype_difference():
     )
     assert _first_cell(base, base.clone(), [4, 5]) == "no difference"
     assert _first_cell(torch.zeros(2), torch.tensor([0.0, 1.0]), [4, 5]) == "id 5: 1.0, the reference 0.0"
+
+
+class _SkipsEmptyWrites(KVStore):
+    """A store whose ``set`` of no columns returns at once (the reference still inserts the
+    ids and counts the write)."""
+
+    def set(self, ids, values, *args, **kwargs):
+        if values.shape[1] == 0:
+            return None
+        return super().set(ids, values, *args, **kwargs)
+
+
+def test_the_state_machine_writes_no_columns_too():
+    def make_store(dim, **options):
+        return _SkipsEmptyWrites(dim, backend="reference", **options)
+
+    with pytest.raises(AssertionError):
+        run_store_machine(
+            make_store,
+            settings=settings(
+                max_examples=300, stateful_step_count=20, deadline=None, derandomize=True, database=None
+            ),
+        )
