@@ -18,14 +18,15 @@ Per group (``tests/mutation/groups.toml``: modules, the test files that cover th
    its session database ``.mutation/<group>.sqlite``, kept while the modules are unchanged
    so an interrupted run resumes;
 3. each mutant runs ``pytest -x -q -p no:randomly`` under ``nice -n 19`` on the tests that
-   reach its line; a line run at import (outside a function body) or reached by none (a
-   numba kernel's body) gets all of the group's test files;
+   reach its line, fastest first; a line reached by none (a numba kernel's body) gets all of
+   the group's test files; a line run at import (outside a function body) gets the tests
+   that reach the module, and, when it survives them, all of the group's test files;
 4. the outcomes go to ``tests/mutation/results/<group>.json`` (committed) and the report
    is rewritten from all groups' results and ``tests/mutation/survivors.toml`` (why a
    survivor is equivalent).
 
-``--rerun-survivors`` runs a group's survivors again (after a test was added for them):
-the report then names the test that kills each one.
+``--rerun-survivors`` runs a group's survivors again (after a test was added for them),
+but not those ``survivors.toml`` explains: the report then names the test that kills each.
 """
 
 from __future__ import annotations
@@ -176,8 +177,12 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
                 m.start_pos,
             )
 
-        if rerun_survivors:  # their results are overwritten
-            todo = [w for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+        if rerun_survivors:  # their results are overwritten; those explained as equivalent stay
+            explained = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
+            survived = {
+                w.job_id for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED
+            }
+            todo = [w for w, i in _ids(db) if w.job_id in survived and i not in explained]
         else:
             todo = list(db.pending_work_items)
         pending = sorted(todo, key=order)
@@ -194,15 +199,21 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             module = str(mutation.module_path)
             lines = baseline["lines"][module]
             tests: set[str] = set()
-            if _in_function_body(trees[module], mutation.start_pos):
+            at_import = not _in_function_body(trees[module], mutation.start_pos)
+            if not at_import:
                 for line in range(mutation.start_pos[0], mutation.end_pos[0] + 1):
                     tests.update(lines.get(str(line), ()))
-            else:  # run at import: what it defines reaches only the tests that run the module
+            else:  # run at import: first the tests that run the module
                 tests.update(t for ids in lines.values() for t in ids)
             # fastest first: -x stops at the first failure
             targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or group["tests"]
             command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *targets])
             result = mutate_and_test(item.mutations, command, timeout)
+            if at_import and _outcome(result) == "survived" and tests:
+                # what it defines may reach a test through another module (a default
+                # argument there) without running a line of this one: all the files then
+                command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *group["tests"]])
+                result = mutate_and_test(item.mutations, command, timeout)
             db.set_result(item.job_id, result)
             print(f"[{name}] {done + 1}/{len(pending)} {_describe(mutation)}: {_outcome(result)}", flush=True)
     finally:  # also when stopped: what ran is reported, the rest as not run
@@ -243,18 +254,28 @@ def _diff_lines(diff: str) -> list[str]:
     ]
 
 
+def _ids(db) -> list[tuple]:
+    """(work item, its id ``module:line:operator``, ``#n`` from the second on a line), in
+    source order: the ids of the results files and of ``survivors.toml``."""
+    out, seen = [], {}
+    for item in sorted(
+        db.work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos)
+    ):
+        mutation = item.mutations[0]
+        base = f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name.split('/')[-1]}"
+        seen[base] = seen.get(base, -1) + 1
+        out.append((item, base if not seen[base] else f"{base}#{seen[base]}"))
+    return out
+
+
 def _export(name: str, group: dict, db, baseline: dict) -> None:
     """The session's outcomes into ``tests/mutation/results/<group>.json``."""
     path = RESULTS / f"{name}.json"
     before = {m["id"]: m for m in json.loads(path.read_text())["mutants"]} if path.exists() else {}
     results = dict(db.results)
-    mutants, seen = [], {}
-    items = sorted(db.work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos))
-    for item in items:
-        mutation = item.mutations[0]
-        base = f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name.split('/')[-1]}"
-        seen[base] = seen.get(base, -1) + 1
-        entry = {"id": base if not seen[base] else f"{base}#{seen[base]}"}
+    mutants = []
+    for item, mutant_id in _ids(db):
+        entry = {"id": mutant_id}
         result = results.get(item.job_id)
         entry["outcome"] = "pending" if result is None else _outcome(result)
         if entry["outcome"] == "killed":
