@@ -261,3 +261,12 @@ def test_a_width_that_its_own_dim_state_and_dtype_do_not_give_is_refused(tmp_pat
         assert len(dst.keys()) == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_an_id_range_ends_at_its_upper_bound_above_small_ids(tmp_path):
+    src = KVStore(6, optimizer_state_dim=2, seed=1)
+    src.set(torch.tensor([0, 150, 300, 2**62]), torch.ones(4, 6))
+    save_checkpoint(tmp_path / "ck", {"t": src})
+    dst = KVStore(6, optimizer_state_dim=2)
+    load_checkpoint(tmp_path / "ck", {"t": dst}, id_range=(0, 301))
+    assert sorted(dst.keys().tolist()) == [0, 150, 300]
