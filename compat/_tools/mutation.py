@@ -351,7 +351,9 @@ def write_report() -> Path:
         modules = ", ".join(f"`{m}`" for m in group["modules"])
         record = records.get(name)
         if record is None:
-            out.append(f"| {group['family']} | {name} | {modules} | - | - | - | - | - | not run | - |")
+            out.append(
+                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | not run | {group.get('note', '-')} |"
+            )
             continue
         families.setdefault(group["family"], []).extend(record["mutants"])
         c = _count(record["mutants"])
