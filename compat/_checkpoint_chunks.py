@@ -19,20 +19,21 @@ engine index them slice by slice: no staging copy, the read on its own thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from leanstate._checkpoint_files import open_regular
 from leanstate._checkpoint_format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
 from leanstate.reference.checkpoint import CheckpointError
-from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharding import bucket_of
 
@@ -189,13 +190,52 @@ def write_store(
 # -- reading ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FileChunks:
+    """The chunks one load reads of one data file: ``(index, manifest entry)`` pairs."""
+
+    file: str
+    bytes: int
+    chunks: list[tuple[int, dict]]
+
+
+@dataclass(frozen=True)
+class TableRead:
+    """What one load reads of one saved table: its files' chosen chunks, and what every
+    chunk is checked against (row size, checksum, and the bucketing that a chunk naming
+    its ``bucket`` must keep to)."""
+
+    name: str
+    row_bytes: int
+    checksum: str
+    files: list[FileChunks]
+    bucketing: tuple[int, int | None] | None = None
+
+    @classmethod
+    def of_v1(cls, name: str, table: dict, chunks: list[tuple[int, dict]]) -> TableRead:
+        """A version-1 table: its one file."""
+        return cls(
+            name, table["row_bytes"], table["checksum"], [FileChunks(table["file"], table["bytes"], chunks)]
+        )
+
+    @property
+    def rows(self) -> int:
+        return sum(chunk["rows"] for part in self.files for _, chunk in part.chunks)
+
+    @property
+    def chunk_count(self) -> int:
+        return sum(len(part.chunks) for part in self.files)
+
+
 class _ChunkCheck:
     """What a chunk's slices must show, slice by slice: strictly ascending non-negative
-    ids; then, after the last, the checksum and the manifest's id range."""
+    ids, inside the chunk's bucket when it names one; then, after the last, the checksum
+    and the manifest's id range."""
 
-    def __init__(self, where: str, chunk: dict, row_bytes: int, checksum: str) -> None:
-        self.where, self.chunk, self.row_bytes, self.checksum = where, chunk, row_bytes, checksum
-        self.update = CHECKSUMS[checksum]
+    def __init__(self, where: str, chunk: dict, read: TableRead) -> None:
+        self.where, self.chunk, self.row_bytes, self.checksum = where, chunk, read.row_bytes, read.checksum
+        self.bucketing = read.bucketing if "bucket" in chunk else None
+        self.update = CHECKSUMS[read.checksum]
         self.crc, self.first_key, self.last_key = 0, None, -1
 
     def add(self, view: memoryview, crc: int | None = None) -> None:
@@ -207,6 +247,10 @@ class _ChunkCheck:
             raise CheckpointError(
                 f"{self.where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
             )
+        if self.bucketing is not None:
+            buckets = bucket_of(keys, total_num_buckets=self.bucketing[0], bucket_size=self.bucketing[1])
+            if not bool((buckets == self.chunk["bucket"]).all()):
+                raise CheckpointError(f"{self.where}: holds ids outside bucket {self.chunk['bucket']}")
         self.first_key = int(keys[0]) if self.first_key is None else self.first_key
         self.last_key = int(keys[-1])
 
@@ -224,7 +268,7 @@ class _ChunkCheck:
 
 
 def chunk_slices(
-    f, where: str, chunk: dict, row_bytes: int, checksum: str, buffer: bytearray | Callable[[], bytearray]
+    f, where: str, chunk: dict, read: TableRead, buffer: bytearray | Callable[[], bytearray]
 ) -> Iterator[memoryview]:
     """Chunk ``chunk`` of the open file ``f`` in slices of whole rows, each read into
     ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
@@ -235,7 +279,8 @@ def chunk_slices(
     raises :class:`CheckpointError` naming ``where``.
     """
     next_buffer = buffer if callable(buffer) else lambda: buffer
-    check = _ChunkCheck(where, chunk, row_bytes, checksum)
+    row_bytes = read.row_bytes
+    check = _ChunkCheck(where, chunk, read)
     f.seek(chunk["offset"])
     first = 0
     while first < chunk["rows"]:
@@ -272,33 +317,29 @@ def describe_chunk(name: str, file: Path, index: int, chunk: dict, row_bytes: in
 
 
 def read_chunks(
-    path: Path,
-    name: str,
-    table: dict,
-    chunks: list[tuple[int, dict]],
-    slice_bytes: int,
-    *,
-    ahead: bool = False,
-) -> Iterator[tuple[int, memoryview | None]]:
-    """Yield (chunk index, bytes) for the listed chunks of a version-1 table, in slices of
-    whole rows of at most ``slice_bytes``; after a chunk's last slice, ``(index, None)``
-    marks it verified. Each slice is valid until the next is asked for.
+    path: Path, read: TableRead, slice_bytes: int, *, ahead: bool = False
+) -> Iterator[tuple[int, dict, memoryview | None]]:
+    """Yield (chunk index, chunk entry, bytes) for the chunks ``read`` lists, file after
+    file, in slices of whole rows of at most ``slice_bytes``; after a chunk's last slice,
+    ``(index, chunk, None)`` marks it verified. Each slice is valid until the next is asked for.
 
     ``ahead``: a reader thread reads and checks the next slice while the caller holds
     this one (two slice buffers; a problem is raised where it stands in the file, after
     the slices before it). Stopping early stops the thread.
     """
-    row_bytes = table["row_bytes"]
+    row_bytes = read.row_bytes
     slice_rows = max(1, slice_bytes // row_bytes)
-    size = min(slice_rows, max((c["rows"] for _, c in chunks), default=0)) * row_bytes
+    largest = max((c["rows"] for f in read.files for _, c in f.chunks), default=0)
+    size = min(slice_rows, largest) * row_bytes
 
-    def produce(next_buffer: Callable[[], bytearray]) -> Iterator[tuple[int, memoryview | None]]:
-        with open_data_file(path, name, table["file"], table["bytes"]) as f:
-            for index, chunk in chunks:
-                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
-                for view in chunk_slices(f, where, chunk, row_bytes, table["checksum"], next_buffer):
-                    yield index, view
-                yield index, None
+    def produce(next_buffer: Callable[[], bytearray]) -> Iterator[tuple[int, dict, memoryview | None]]:
+        for part in read.files:
+            with open_data_file(path, read.name, part.file, part.bytes) as f:
+                for index, chunk in part.chunks:
+                    where = describe_chunk(read.name, path / part.file, index, chunk, row_bytes)
+                    for view in chunk_slices(f, where, chunk, read, next_buffer):
+                        yield index, chunk, view
+                    yield index, chunk, None
 
     if not ahead:
         buffer = bytearray(size)
@@ -371,88 +412,68 @@ def _one_ahead(produce, buffers: list[bytearray]) -> Iterator:
         return buffer
 
     def tagged() -> Iterator:
-        for index, view in produce(next_buffer):
-            yield index, view, filled.pop(0) if view is not None else None
+        for item in produce(next_buffer):  # an item's last field is its slice, or None
+            yield item, filled.pop(0) if item[-1] is not None else None
 
     items = _on_a_thread(tagged, stop)
     held = None
     try:
-        for index, view, buffer in items:
+        for item, buffer in items:
             if held is not None:
                 free.put(held)
             held = buffer
-            yield index, view
+            yield item
     finally:
         stop.set()
         free.put(bytearray(0))  # wakes a thread waiting for a buffer: it sees ``stop`` and ends
         items.close()  # then waits for the thread
 
 
-@runtime_checkable
-class ReadsInPlace(Protocol):
-    """An engine whose pool a checkpoint load reads into directly (the numba engine):
-    blocks claimed, written through ``rows``, then adopted by their header keys (see
-    ``spec/backends.md``). Called with ``writing()`` held."""
-
-    rows: torch.Tensor
-
-    def writing(self): ...
-
-    def claim(self, rows: int) -> int: ...
-
-    def adopt(self, first: int, count: int) -> None: ...
-
-    def abandon(self, first: int, count: int) -> None: ...
-
-    def fault_in(self, first: int, count: int) -> None: ...
-
-
 def read_in_place(
     path: Path,
-    name: str,
-    table: dict,
-    chunks: list[tuple[int, dict]],
+    read: TableRead,
     engine: ReadsInPlace,
     slice_bytes: int,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[dict, int], None] | None = None,
 ) -> None:
-    """Read a table's listed chunks straight into blocks ``engine`` claims, and have it
+    """Read the chunks ``read`` lists straight into blocks ``engine`` claims, and have it
     adopt each slice once its ids check out: a reader thread reads (and checksums) slice
     k+1 while this one checks and adopts slice k, and faults in the pages ahead of the
     reader while it has nothing to adopt. Every chunk is checked as :func:`chunk_slices`
     checks it; on a problem the rows not yet adopted are given back and the error
     raised (the rows adopted stay: the caller loads into empty stores and empties them).
-    ``progress(rows_done)`` after each chunk."""
-    row_bytes = table["row_bytes"]
+    ``progress(chunk, rows_done)`` after each chunk."""
+    row_bytes = read.row_bytes
     slice_rows = max(1, slice_bytes // row_bytes)
-    total = sum(chunk["rows"] for _, chunk in chunks)
+    total = read.rows
     stop = threading.Event()
-    # The file's size is compared with the manifest before a block is claimed: a crafted
-    # row count can claim no more than the file really holds.
-    data = open_data_file(path, name, table["file"], table["bytes"])
-    if total == 0:  # an empty table: its file is checked, there is nothing to claim
-        data.close()
-        return
-    with data, engine.writing():
+    with contextlib.ExitStack() as files:
+        # Every file's size is compared with the manifest before a block is claimed: a
+        # crafted row count can claim no more than the files really hold.
+        opened = [files.enter_context(open_data_file(path, read.name, p.file, p.bytes)) for p in read.files]
+        if total == 0:  # an empty table: its files are checked, there is nothing to claim
+            return
+        files.enter_context(engine.writing())
         first = engine.claim(total)
         pool = memoryview(engine.rows[first : first + total].view(torch.uint8).numpy()).cast("B")
+        files.callback(pool.release)
+        update = CHECKSUMS[read.checksum]
 
-        update = CHECKSUMS[table["checksum"]]
-
-        def read() -> Iterator[tuple[int, dict, int, int, bool, int]]:
+        def read_slices() -> Iterator[tuple[Path, int, dict, int, int, bool, int]]:
             done = 0
-            for index, chunk in chunks:
-                data.seek(chunk["offset"])
-                crc = 0
-                for start in range(0, chunk["rows"], slice_rows):
-                    rows = min(slice_rows, chunk["rows"] - start)
-                    space = pool[done * row_bytes : (done + rows) * row_bytes]
-                    complete = data.readinto(space) == len(space)
-                    crc = update(space, crc)  # while the slice is still in cache
-                    if stop.is_set():
-                        raise _Stopped
-                    yield index, chunk, done, rows, complete, crc
-                    done += rows
+            for part, data in zip(read.files, opened, strict=True):
+                for index, chunk in part.chunks:
+                    data.seek(chunk["offset"])
+                    crc = 0
+                    for start in range(0, chunk["rows"], slice_rows):
+                        rows = min(slice_rows, chunk["rows"] - start)
+                        space = pool[done * row_bytes : (done + rows) * row_bytes]
+                        complete = data.readinto(space) == len(space)
+                        crc = update(space, crc)  # while the slice is still in cache
+                        if stop.is_set():
+                            raise _Stopped
+                        yield path / part.file, index, chunk, done, rows, complete, crc
+                        done += rows
 
         faulted = 0
 
@@ -467,12 +488,12 @@ def read_in_place(
             return True
 
         adopted, check, chunk_start = 0, None, 0
-        slices = _on_a_thread(read, stop, fault_ahead)
+        slices = _on_a_thread(read_slices, stop, fault_ahead)
         try:
-            for index, chunk, at, rows, complete, crc in slices:
-                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
+            for file, index, chunk, at, rows, complete, crc in slices:
+                where = describe_chunk(read.name, file, index, chunk, row_bytes)
                 if check is None or check.chunk is not chunk:
-                    check, chunk_start = _ChunkCheck(where, chunk, row_bytes, table["checksum"]), at
+                    check, chunk_start = _ChunkCheck(where, chunk, read), at
                 if not complete:
                     raise CheckpointError(f"{where} is truncated")
                 check.add(pool[at * row_bytes : (at + rows) * row_bytes], crc)
@@ -481,11 +502,10 @@ def read_in_place(
                 if adopted == chunk_start + chunk["rows"]:
                     check.finish()
                     if progress is not None:
-                        progress(adopted)
+                        progress(chunk, adopted)
         except BaseException:
             slices.close()  # the reader thread has stopped writing before the rest is zeroed
             engine.abandon(first + adopted, total - adopted)
             raise
         finally:
             slices.close()
-            pool.release()

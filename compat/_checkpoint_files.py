@@ -32,7 +32,14 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate._checkpoint_format import EXTRA_FILE, MANIFEST, checked_problem, manifest_problem
+from leanstate._checkpoint_format import (
+    EXTRA_FILE,
+    MANIFEST,
+    checked_problem,
+    manifest_problem,
+    manifest_v2_problem,
+    saved_across_ranks,
+)
 from leanstate.reference.checkpoint import CheckpointError
 
 
@@ -180,11 +187,14 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON (NaN and Infinity are not numbers of the format)")
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of the checkpoint at ``path``, checked against the schema.
+def read_manifest(path: str | os.PathLike) -> tuple[int, dict]:
+    """The format version and the manifest of the checkpoint at ``path``, checked against
+    its version's schema: the one read of a manifest that every load makes.
 
-    Raises :class:`CheckpointError` naming ``manifest.json`` and the offending key, or
-    ``FileNotFoundError`` (with the previous copy an interrupted save left, if complete).
+    Version 1 (one process, ascending ids) or version 2 (saved across ranks,
+    ``spec/sharding.md``). Raises :class:`CheckpointError` naming ``manifest.json`` and the
+    offending key, or ``FileNotFoundError`` (with the previous copy an interrupted save
+    left, if complete).
     """
     path = Path(path)
     file = path / MANIFEST
@@ -199,10 +209,11 @@ def read_manifest(path: str | os.PathLike) -> dict:
         )
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
     manifest = parse_manifest(file)
-    problem = checked_problem(manifest_problem, manifest)
+    version = 2 if saved_across_ranks(manifest) else 1
+    problem = checked_problem(manifest_v2_problem if version == 2 else manifest_problem, manifest)
     if problem is not None:
         raise CheckpointError(f"{file}: {problem}")
-    return manifest
+    return version, manifest
 
 
 def read_extra(path: Path, manifest: dict) -> dict[str, object]:

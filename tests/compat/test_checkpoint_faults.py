@@ -217,7 +217,7 @@ def test_a_sound_checkpoint_verifies_and_loads_its_extra(saved, capsys):
     store = KVStore(6, optimizer_state_dim=2)
     extra = load_checkpoint(saved, {"t": store})
     assert extra["step"] == 7 and torch.equal(extra["lr"], torch.tensor([0.5]))
-    manifest = read_manifest(saved)
+    _, manifest = read_manifest(saved)
     assert manifest["extra"]["bytes"] == (saved / "extra.pt").stat().st_size
 
 
@@ -225,7 +225,7 @@ def test_a_sound_checkpoint_verifies_and_loads_its_extra(saved, capsys):
 
 
 def test_id_range_reads_exactly_the_chunks_it_needs(saved):
-    chunks = read_manifest(saved)["tables"]["t"]["chunks"]  # 20 rows each: ids 0..57, 60..117, ...
+    chunks = read_manifest(saved)[1]["tables"]["t"]["chunks"]  # 20 rows each: ids 0..57, 60..117, ...
     lo, hi = chunks[2]["max_id"], chunks[4]["min_id"]  # lo is chunk 2's last id; hi is chunk 4's first
     # Damage the chunks outside [2, 3]: reading one of them would fail its CRC.
     raw = bytearray((saved / "t.rows").read_bytes())

@@ -1,0 +1,165 @@
+"""The one load pipeline of every checkpoint format: an all-or-nothing transaction over
+the stores, and one chunk-apply step per saved table.
+
+Version 1, version 2 (across ranks) and DCP load through here:
+
+- :func:`load_all_or_nothing` is the transaction. Into stores that hold no row yet (on
+  every rank), each once, rows are applied as they are read and verified, and any
+  failure empties the stores again: one read of the files. Otherwise every chunk is
+  verified first, the ranks agree, and only then are rows applied, with Ctrl-C
+  deferred (a half-applied live store could not be restored).
+- :func:`apply_table` is the chunk-apply step: the chunks a load reads of one table,
+  in slices of whole rows read one ahead on a thread, each checked (checksum, ascending
+  ids, the manifest's id range, the chunk's bucket), then either read in place into an
+  empty store that offers it (``store.rows_in_place()``) or, filtered to the rows this
+  load keeps, upserted through ``set_rows`` into a store grown once by ``reserve``.
+- :func:`apply_tables` runs several tables' steps on up to ``torch.get_num_threads()``
+  threads when their stores are distinct (the numba kernels release the GIL; each store
+  has its own lock, so the rows are the same bits as on one thread).
+
+The in-place load's rules (threads, pages, locks), in one place: the engine's write
+lock is held from ``claim`` to the last ``adopt`` or ``abandon``, so no other call
+sees claimed blocks; the pool cannot move meanwhile (``claim`` mapped every block
+first); the reader thread only ``readinto``s claimed blocks no one else owns and is
+stopped before any of them is zeroed and freed (``abandon``); the pages ahead are
+faulted in by the waiting thread, which changes no byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from leanstate._checkpoint_chunks import TableRead, read_chunks, read_in_place
+from leanstate._checkpoint_files import interrupts_deferred
+from leanstate._checkpoint_format import SLICE_BYTES
+from leanstate._checkpoint_ranks import from_every_rank
+from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.row_format import header_words
+
+
+def load_all_or_nothing(
+    stores: Sequence[SupportsRows],
+    verify: Callable[[], None],
+    apply: Callable[[bool], None],
+    *,
+    group: dist.ProcessGroup | None = None,
+    gather_errors: bool = False,
+    method: str = "load_checkpoint",
+) -> None:
+    """Run one load of ``stores`` all or nothing, on every rank of ``group`` (None: this
+    process alone).
+
+    When every store is empty on every rank and none appears twice, ``apply(True)`` runs
+    once and a failure empties the stores again. Otherwise ``verify()`` reads and checks
+    everything first, and ``apply(False)`` runs only if it passed everywhere, with
+    Ctrl-C deferred. ``gather_errors``: an ``Exception`` on any rank becomes a
+    :class:`CheckpointError` naming that rank, raised on every rank (the formats whose
+    ranks do not already agree through DCP).
+    """
+    unique = list({id(store): store for store in stores}.values())
+    mine = len(unique) == len(stores) and all(len(store) == 0 for store in unique)
+    empty = all(from_every_rank(mine, group))
+    if not empty:
+        on_every_rank(verify, group, gather_errors, method, "nothing was applied")
+    try:
+        with contextlib.nullcontext() if empty else interrupts_deferred():
+            outcome = "the stores were emptied again" if empty else "verified rows were being applied"
+            on_every_rank(lambda: apply(empty), group, gather_errors, method, outcome)
+    except BaseException:
+        if empty:
+            for store in unique:
+                store.delete(store.keys())
+        raise
+
+
+def on_every_rank(run: Callable[[], None], group, gather_errors: bool, method: str, outcome: str) -> None:
+    """``run()``; with ``gather_errors``, an ``Exception`` on any rank of ``group`` is raised
+    on every rank as a :class:`CheckpointError` naming the first failed rank and ``outcome``."""
+    if not gather_errors:
+        run()
+        return
+    rank = 0 if group is None else dist.get_rank(group)
+    problem = None
+    try:
+        run()
+    except Exception as exc:
+        problem = f"rank {rank}: {exc}"
+    failed = [p for p in from_every_rank(problem, group) if p is not None]
+    if failed:
+        raise CheckpointError(f"{method}: the load across ranks failed ({outcome}): {failed[0]}")
+
+
+def verify_table(
+    path: Path,
+    read: TableRead,
+    slice_bytes: int = SLICE_BYTES,
+    progress: Callable[[dict], None] | None = None,
+) -> None:
+    """Read and check every chunk ``read`` lists; apply nothing. ``progress(chunk)`` after each."""
+    for _, chunk, buffer in read_chunks(path, read, slice_bytes, ahead=True):
+        if buffer is None and progress is not None:
+            progress(chunk)
+
+
+def apply_table(
+    path: Path,
+    read: TableRead,
+    store: SupportsRows,
+    *,
+    into_empty: bool,
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    slice_bytes: int = SLICE_BYTES,
+    progress: Callable[[dict, int], None] | None = None,
+) -> int:
+    """Stream the chunks ``read`` lists into ``store``; the number of rows applied.
+
+    ``keep(ids)``: which rows of a slice this load applies (an id range, the rows this
+    rank owns); None keeps every row. Into an empty store that reads in place
+    (``store.rows_in_place()``), with every row kept, the rows are read straight into
+    its pool; otherwise each slice goes through ``set_rows``, the store grown once
+    first. ``progress(chunk, rows_applied)`` after each chunk (its manifest entry).
+    """
+    in_place = getattr(store, "rows_in_place", None)
+    engine = in_place() if into_empty and keep is None and in_place is not None else None
+    if engine is not None:
+        read_in_place(path, read, engine, slice_bytes, progress)
+        return read.rows
+    layout = store.layout
+    applied, reserved = 0, False
+    # The files' sizes matched the manifest before the first slice: grow the store once.
+    # Rows the store already holds (a resume) need no room: reserving them too would
+    # grow a full store by the table's size.
+    with contextlib.closing(read_chunks(path, read, slice_bytes, ahead=True)) as slices:
+        for _, chunk, buffer in slices:
+            if buffer is None:
+                if progress is not None:
+                    progress(chunk, applied)
+                continue
+            rows = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
+            if not reserved:
+                store.reserve(max(0, read.rows - len(store)))
+                reserved = True
+            if keep is not None:
+                rows = rows[keep(header_words(rows)[:, 0])]
+            store.set_rows(rows)  # keyed by each row's header
+            applied += len(rows)
+    return applied
+
+
+def apply_tables(steps: Sequence[tuple[SupportsRows, Callable[[], object]]]) -> list[object]:
+    """Run each ``(store, step)``'s step; on up to ``torch.get_num_threads()`` threads when
+    the stores are distinct (one store's steps must keep their order). Every step runs
+    to its end; the first failure, in ``steps`` order, is raised. Returns the results."""
+    threads = min(torch.get_num_threads(), len(steps))
+    if threads < 2 or len({id(store) for store, _ in steps}) < len(steps):
+        return [step() for _, step in steps]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanstate-load") as pool:
+        futures = [pool.submit(step) for _, step in steps]
+    return [future.result() for future in futures]
