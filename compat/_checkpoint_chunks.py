@@ -227,6 +227,22 @@ class TableRead:
         return sum(len(part.chunks) for part in self.files)
 
 
+def in_saving_order(keys: torch.Tensor, bucketing: tuple[int, int | None] | list | None = None) -> bool:
+    """Whether ``keys`` (on the host) strictly ascend, or with ``bucketing`` ascend by
+    (bucket, id): the order every format saves rows in.
+
+    Compared in numpy, on this thread: a torch comparison of a slice's keys runs on
+    torch's OpenMP pool, whose barriers cost a hundred times the work beside a busy core
+    (measured: 10 ms for 40,000 keys)."""
+    ids = keys.numpy()
+    ascending = ids[1:] > ids[:-1]
+    if bucketing is None:
+        return bool(ascending.all())
+    buckets = bucket_of(keys, total_num_buckets=bucketing[0], bucket_size=bucketing[1]).numpy()
+    step = buckets[1:] - buckets[:-1]
+    return bool(((step > 0) | ((step == 0) & ascending)).all())
+
+
 class _ChunkCheck:
     """What a chunk's slices must show, slice by slice: strictly ascending non-negative
     ids, inside the chunk's bucket when it names one; then, after the last, the checksum
@@ -243,7 +259,7 @@ class _ChunkCheck:
         reader already computed it (while the bytes were still in cache)."""
         self.crc = self.update(view, self.crc) if crc is None else crc
         keys = torch.frombuffer(view, dtype=torch.int64).view(-1, self.row_bytes // 8)[:, 0]
-        if bool((keys[1:] <= keys[:-1]).any()) or int(keys[0]) <= self.last_key:
+        if not in_saving_order(keys) or int(keys[0]) <= self.last_key:
             raise CheckpointError(
                 f"{self.where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
             )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -160,6 +160,12 @@ def apply_tables(steps: Sequence[tuple[SupportsRows, Callable[[], object]]]) -> 
     threads = min(torch.get_num_threads(), len(steps))
     if threads < 2 or len({id(store) for store, _ in steps}) < len(steps):
         return [step() for _, step in steps]
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanstate-load") as pool:
-        futures = [pool.submit(step) for _, step in steps]
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanstate-load")
+    futures = [pool.submit(step) for _, step in steps]
+    try:
+        wait(futures)
+    finally:  # also on Ctrl-C: no step may still write once the caller undoes the load
+        for future in futures:
+            future.cancel()
+        pool.shutdown(wait=True)
     return [future.result() for future in futures]
