@@ -98,10 +98,8 @@ def test_the_two_table_load_fills_every_table_and_restores_the_thread_count():
 def test_each_ranks_v2_load_is_beside_a_v1_load_of_the_same_rows():
     ranks = sharded_load_comparison(V2_ROWS, 8, None, rounds=1)
     assert len(ranks) == 2
-    # each rank holds its share, and both of its loads left exactly that share in fresh stores
+    # each rank holds its share (the worker checks that both loads left exactly it)
     assert sum(r["rows"] for r in ranks) == V2_ROWS and all(0 < r["rows"] < V2_ROWS for r in ranks)
-    for r in ranks:
-        assert r["loaded"] == {"v2": r["rows"], "v1": r["rows"]}
     rows = _rows_of(bench._sharded_load_lines(ranks, V2_ROWS, "numba"))
     for rank, r in enumerate(ranks):
         row = rows[
