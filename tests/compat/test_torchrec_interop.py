@@ -289,3 +289,27 @@ def test_a_torchrec_dcp_checkpoint_migrates_through_a_template_state_dict(tmp_pa
     kv_ebc.eval()
     _, features, _ = batch(7)
     assert torch.equal(kv_ebc(features).values(), trained(features).values())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_leanstate_dcp_load_takes_a_torchrec_dcp_checkpoint_directly(tmp_path, optimizer):
+    """A DLRM trained on TorchRec's tables and saved by stock ``dcp.save``: ``leanstate.dcp.load``
+    puts each table's rows in as ids ``0..N-1`` bit for bit (the optimizer state the
+    checkpoint lacks starts fresh), and the model trains on as TorchRec's does."""
+    trained = dlrm(EmbeddingBagCollection(configs()))
+    train(trained, range(3))
+    torch.distributed.checkpoint.save(trained.state_dict(), checkpoint_id=tmp_path / "torchrec", no_dist=True)
+    tables = [KVTableConfig.from_torchrec(c, optimizer=optimizer) for c in configs()]
+    model = dlrm(KVEmbeddingBagCollection(tables))
+    state = model.state_dict()
+    stats = leanstate.dcp.load(state, checkpoint_id=tmp_path / "torchrec")
+    assert not model.load_state_dict(state).missing_keys
+    ebc = model.sparse_arch.embedding_bag_collection
+    for name, bag in trained.sparse_arch.embedding_bag_collection.embedding_bags.items():
+        kv = ebc.embedding_bags[name]
+        assert torch.equal(kv.store.keys().sort().values, torch.arange(N))
+        assert torch.equal(kv.store.get(torch.arange(N), width=D), bag.weight.detach())
+        assert stats[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"]["rows"] == N
+        assert kv.optimizer_step == 0 and all(not torch.any(v[:]) for v in kv._field_views().values())
+    if optimizer == "sgd":
+        assert train(model, range(3, 8)) == train(trained, range(3, 8))
