@@ -28,7 +28,7 @@ from torch import nn
 
 from leanstate import _backends
 from leanstate._bag_input import batch_summary, checked_batch
-from leanstate._collection import TableCollection
+from leanstate._collection import TableCollection, config_of
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
 from leanstate._torchrec_shapes import (
@@ -509,17 +509,6 @@ class KVEmbeddingBag(nn.Module):
         self.optimizer_step = int(extra["optimizer_step"])
 
 
-def _config_of(name: str, bag: KVEmbeddingBag) -> KVTableConfig:
-    """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
-    low, high = bag._config["init_range"]
-    return KVTableConfig(
-        name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
-        optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
-        optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
-        num_shards=bag._config["num_shards"], weight_init_min=low, weight_init_max=high, seed=bag._config["seed"],
-    )  # fmt: skip
-
-
 class KVEmbeddingBagCollection(TableCollection):
     """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
 
@@ -560,7 +549,7 @@ class KVEmbeddingBagCollection(TableCollection):
     ) -> None:
         if isinstance(tables, Mapping):
             bags = dict(tables)
-            given = configs = [_config_of(name, bag) for name, bag in bags.items()]
+            given = configs = [config_of(name, bag) for name, bag in bags.items()]
         else:
             given, configs = table_configs(tables)
             names = [c.name for c in configs]
@@ -572,22 +561,19 @@ class KVEmbeddingBagCollection(TableCollection):
             }
         if not bags:
             raise ValueError("KVEmbeddingBagCollection: no tables")
-        everything = [f for c in configs for f in c.feature_names]
-        if len(set(everything)) != len(everything):
-            raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
         super().__init__(bags, given, is_weighted=is_weighted, device=device)
 
     @torch.compiler.disable  # the store is Python and numba: a graph break, so the rest of a model compiles
     def forward(self, features) -> KeyedTensor:
         """Pool each feature of ``features`` in its table; a ``KeyedTensor``."""
-        batch, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
+        shape, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
         pooled = {}
         for table, (ids, offsets, weights) in inputs.items():
             bag = self.embedding_bags[table]
             if bag.include_last_offset:  # a bag given in a mapping may want the end too
                 offsets = torch.cat([offsets, torch.tensor([len(ids)])])
             pooled[table] = bag(ids, offsets, weights)
-        return self._keyed(batch, pooled)
+        return self._keyed(shape, pooled)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""
