@@ -514,8 +514,9 @@ class KVEmbeddingBagCollection(TableCollection):
 
     Args:
         tables: a list of :class:`KVTableConfig` or TorchRec ``EmbeddingBagConfig`` (read by
-            :meth:`KVTableConfig.from_torchrec`; several features may share a table), or a
-            mapping name -> :class:`KVEmbeddingBag` (one feature per table, its name).
+            :meth:`KVTableConfig.from_torchrec`; several features may share a table, and a
+            feature may feed several tables), or a mapping name -> :class:`KVEmbeddingBag`
+            (one feature per table, its name).
         is_weighted: whether the input's weights are per-sample weights; when False (the
             default, as TorchRec's) a weighted input's weights are ignored.
         device: where the rows live and the lookups run (default the CPU).
@@ -525,10 +526,13 @@ class KVEmbeddingBagCollection(TableCollection):
     ``values()``, ``lengths()`` or ``offsets()``, and ``weights_or_none()`` when weighted)
     holding every feature of the tables (keys no table reads are skipped), and returns a
     ``KeyedTensor`` (TorchRec's when it imports, else :class:`KeyedTensor`) with one
-    ``[B, D]`` block per feature, tables in order, each table's features in order. Each
-    table deduplicates the ids of all its features together, so its fused update sees one
-    gradient per distinct id. The lookup is a ``torch.compiler.disable`` boundary: the rest
-    of a compiled model compiles around it.
+    ``[B, D]`` block per feature, tables in order, each table's features in order (a
+    feature several tables read is ``feature@table``, TorchRec's name). A variable-batch
+    KeyedJaggedTensor is pooled per key at its own stride and expanded to the batch by its
+    ``inverse_indices``, as TorchRec's collection does. Each table deduplicates the ids of
+    all its features together, so its fused update sees one gradient per distinct id. The
+    lookup is a ``torch.compiler.disable`` boundary: the rest of a compiled model compiles
+    around it.
 
     Example::
 
