@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from leanstate._checkpoint_files import open_regular
@@ -227,20 +228,33 @@ class TableRead:
         return sum(len(part.chunks) for part in self.files)
 
 
-def in_saving_order(keys: torch.Tensor, bucketing: tuple[int, int | None] | list | None = None) -> bool:
+def in_saving_order(
+    keys: torch.Tensor | np.ndarray, bucketing: tuple[int, int | None] | list | None = None
+) -> bool:
     """Whether ``keys`` (on the host) strictly ascend, or with ``bucketing`` ascend by
     (bucket, id): the order every format saves rows in.
 
     Compared in numpy, on this thread: a torch comparison of a slice's keys runs on
     torch's OpenMP pool, whose barriers cost a hundred times the work beside a busy core
     (measured: 10 ms for 40,000 keys)."""
-    ids = keys.numpy()
+    ids = keys.numpy() if isinstance(keys, torch.Tensor) else keys
     ascending = ids[1:] > ids[:-1]
     if bucketing is None:
         return bool(ascending.all())
-    buckets = bucket_of(keys, total_num_buckets=bucketing[0], bucket_size=bucketing[1]).numpy()
+    buckets = bucket_of(
+        torch.as_tensor(ids), total_num_buckets=bucketing[0], bucket_size=bucketing[1]
+    ).numpy()
     step = buckets[1:] - buckets[:-1]
     return bool(((step > 0) | ((step == 0) & ascending)).all())
+
+
+def in_bucket(keys: np.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
+    """Whether every key (all >= 0) lies in ``bucket``: ``bucket_of``'s rule, in numpy, because
+    a version-2 chunk holds one bucket's rows, a few hundred, and four torch calls a chunk
+    cost more than the load's copy of them."""
+    buckets, size = bucketing
+    of = keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
+    return bool((of == bucket).all())
 
 
 class _ChunkCheck:
@@ -248,25 +262,29 @@ class _ChunkCheck:
     ids, inside the chunk's bucket when it names one; then, after the last, the checksum
     and the manifest's id range."""
 
-    def __init__(self, where: str, chunk: dict, read: TableRead) -> None:
-        self.where, self.chunk, self.row_bytes, self.checksum = where, chunk, read.row_bytes, read.checksum
+    def __init__(self, file: Path, index: int, chunk: dict, read: TableRead) -> None:
+        self.file, self.index, self.chunk, self.read = file, index, chunk, read
+        self.row_bytes, self.checksum = read.row_bytes, read.checksum
         self.bucketing = read.bucketing if "bucket" in chunk else None
         self.update = CHECKSUMS[read.checksum]
         self.crc, self.first_key, self.last_key = 0, None, -1
+
+    @property
+    def where(self) -> str:
+        """The chunk, as an error names it (formatted only for an error)."""
+        return describe_chunk(self.read.name, self.file, self.index, self.chunk, self.row_bytes)
 
     def add(self, view: memoryview, crc: int | None = None) -> None:
         """One more slice; ``crc``: the chunk's running checksum through it, when the
         reader already computed it (while the bytes were still in cache)."""
         self.crc = self.update(view, self.crc) if crc is None else crc
-        keys = torch.frombuffer(view, dtype=torch.int64).view(-1, self.row_bytes // 8)[:, 0]
+        keys = np.frombuffer(view, dtype=np.int64)[:: self.row_bytes // 8]
         if not in_saving_order(keys) or int(keys[0]) <= self.last_key:
             raise CheckpointError(
                 f"{self.where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
             )
-        if self.bucketing is not None:
-            buckets = bucket_of(keys, total_num_buckets=self.bucketing[0], bucket_size=self.bucketing[1])
-            if not bool((buckets == self.chunk["bucket"]).all()):
-                raise CheckpointError(f"{self.where}: holds ids outside bucket {self.chunk['bucket']}")
+        if self.bucketing is not None and not in_bucket(keys, self.bucketing, self.chunk["bucket"]):
+            raise CheckpointError(f"{self.where}: holds ids outside bucket {self.chunk['bucket']}")
         self.first_key = int(keys[0]) if self.first_key is None else self.first_key
         self.last_key = int(keys[-1])
 
@@ -283,20 +301,17 @@ class _ChunkCheck:
             )
 
 
-def chunk_slices(
-    f, where: str, chunk: dict, read: TableRead, buffer: bytearray | Callable[[], bytearray]
-) -> Iterator[memoryview]:
-    """Chunk ``chunk`` of the open file ``f`` in slices of whole rows, each read into
-    ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
+def chunk_slices(f, check: _ChunkCheck, buffer: bytearray | Callable[[], bytearray]) -> Iterator[memoryview]:
+    """The chunk ``check`` checks, of the open file ``f``, in slices of whole rows, each read
+    into ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
     buffer is reused.
 
     Ids must strictly ascend across the chunk's slices; after the last slice the
     checksum and the manifest's ``min_id``/``max_id`` are checked. The first problem
-    raises :class:`CheckpointError` naming ``where``.
+    raises :class:`CheckpointError` naming the chunk.
     """
     next_buffer = buffer if callable(buffer) else lambda: buffer
-    row_bytes = read.row_bytes
-    check = _ChunkCheck(where, chunk, read)
+    row_bytes, chunk = check.row_bytes, check.chunk
     f.seek(chunk["offset"])
     first = 0
     while first < chunk["rows"]:
@@ -304,7 +319,7 @@ def chunk_slices(
         rows = min(max(1, len(space) // row_bytes), chunk["rows"] - first)
         view = memoryview(space)[: rows * row_bytes]
         if f.readinto(view) != len(view):
-            raise CheckpointError(f"{where} is truncated")
+            raise CheckpointError(f"{check.where} is truncated")
         check.add(view)
         first += rows
         yield view
@@ -352,8 +367,8 @@ def read_chunks(
         for part in read.files:
             with open_data_file(path, read.name, part.file, part.bytes) as f:
                 for index, chunk in part.chunks:
-                    where = describe_chunk(read.name, path / part.file, index, chunk, row_bytes)
-                    for view in chunk_slices(f, where, chunk, read, next_buffer):
+                    check = _ChunkCheck(path / part.file, index, chunk, read)
+                    for view in chunk_slices(f, check, next_buffer):
                         yield index, chunk, view
                     yield index, chunk, None
 
@@ -507,11 +522,10 @@ def read_in_place(
         slices = _on_a_thread(read_slices, stop, fault_ahead)
         try:
             for file, index, chunk, at, rows, complete, crc in slices:
-                where = describe_chunk(read.name, file, index, chunk, row_bytes)
                 if check is None or check.chunk is not chunk:
-                    check, chunk_start = _ChunkCheck(where, chunk, read), at
+                    check, chunk_start = _ChunkCheck(file, index, chunk, read), at
                 if not complete:
-                    raise CheckpointError(f"{where} is truncated")
+                    raise CheckpointError(f"{check.where} is truncated")
                 check.add(pool[at * row_bytes : (at + rows) * row_bytes], crc)
                 engine.adopt(first + at, rows)
                 adopted = at + rows

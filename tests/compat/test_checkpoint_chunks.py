@@ -11,14 +11,17 @@ import time
 import crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import leanstate
 from leanstate import _checkpoint_chunks
-from leanstate._checkpoint_chunks import TableRead, read_chunks
+from leanstate._checkpoint_chunks import TableRead, in_bucket, read_chunks
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference import checkpoint as reference_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.sharding import bucket_of
 from tests.harness import FakeClock
 
 CHUNK = 4096  # bytes: several chunks, each of several slices below
@@ -233,3 +236,18 @@ def test_an_id_repeated_inside_a_chunk_is_refused_wherever_the_slices_cut(tmp_pa
         reference_checkpoint.load_checkpoint(
             tmp_path / "ck", {"t": leanstate.KVStore(6, optimizer_state_dim=2)}
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20),
+    buckets=st.integers(1, 5000),
+    size=st.one_of(st.none(), st.integers(1, 2**40)),
+    pick=st.integers(0, 19),
+)
+def test_the_chunk_check_reads_buckets_by_bucket_of(keys, buckets, size, pick):
+    """The version-2 chunk check's numpy bucket rule is ``bucket_of``'s, id for id."""
+    ids = torch.tensor(keys, dtype=torch.int64)
+    of = bucket_of(ids, total_num_buckets=buckets, bucket_size=size)
+    bucket = int(of[pick % len(keys)])
+    assert in_bucket(ids.numpy(), (buckets, size), bucket) == bool((of == bucket).all())
