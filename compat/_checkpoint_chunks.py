@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from leanstate._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
 from leanstate._checkpoint_files import open_regular
 from leanstate._checkpoint_format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
 from leanstate.reference.checkpoint import CheckpointError
@@ -105,52 +104,40 @@ class ChunkFile:
         self.chunks: list[dict] = []
         self.offset = 0
         self._out = open(file, "wb")
-        self._writer = ThreadPoolExecutor(max_workers=1) if pipelined else None
-        self._pending: tuple[Future, torch.Tensor, dict] | None = None
+        self._writer = Behind("leanstate-checkpoint-writer") if pipelined else None
 
-    def _write(self, rows: torch.Tensor) -> int:
+    def _write(self, rows: torch.Tensor, fields: dict) -> None:
         data = row_bytes_of(rows)
         self._out.write(data)
-        return new_chunk_checksum(data)
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            future, rows, fields = self._pending
-            self._pending = None
-            self._record(rows, future.result(), fields)
-
-    def _record(self, rows: torch.Tensor, crc: int, fields: dict) -> None:
-        entry = chunk_entry(rows, self.offset, crc)
+        entry = chunk_entry(rows, self.offset, new_chunk_checksum(data))
         entry.update(fields)
         self.chunks.append(entry)
         self.offset += rows.numel() * rows.element_size()
 
     def append(self, rows: torch.Tensor, **fields: object) -> None:
         """Write ``rows`` (id-ascending, on the host) as the next chunk; ``fields`` join its entry."""
-        self._settle()
         if len(rows) == 0:
             return
         if self._writer is None:
-            self._record(rows, self._write(rows), fields)
+            self._write(rows, fields)
         else:
-            self._pending = (self._writer.submit(self._write, rows), rows, fields)
+            self._writer.submit(self._write, rows, fields)
 
     def close(self) -> list[dict]:
         """Finish, fsync and close the file; the chunks' manifest entries."""
         try:
-            self._settle()
+            if self._writer is not None:
+                self._writer.settle()
             self._out.flush()
             os.fsync(self._out.fileno())
         finally:
-            if self._writer is not None:
-                self._writer.shutdown()
-            self._out.close()
+            self.abort()
         return self.chunks
 
     def abort(self) -> None:
         """Close without finishing (the caller removes the staging directory)."""
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            self._writer.close()
         self._out.close()
 
 
@@ -376,88 +363,7 @@ def read_chunks(
         buffer = bytearray(size)
         yield from produce(lambda: buffer)
         return
-    yield from _one_ahead(produce, [bytearray(size) for _ in range(2)])
-
-
-class _Stopped(Exception):
-    """The caller stopped reading: the reader thread ends quietly."""
-
-
-_DONE = object()
-
-
-def _on_a_thread(
-    produce: Callable[[], Iterator], stop: threading.Event, idle: Callable[[], bool] | None = None
-) -> Iterator:
-    """``produce()``'s items, produced on a thread and yielded here in order; what the
-    thread raises is raised here, after the items before it. While no item is ready,
-    ``idle()`` runs here (until it returns False) before waiting. Leaving early sets
-    ``stop`` (``produce`` checks it) and waits for the thread."""
-    ready: queue.Queue = queue.Queue()
-
-    def run() -> None:
-        try:
-            for item in produce():
-                ready.put(item)
-        except _Stopped:
-            return
-        except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
-            ready.put(error)
-            return
-        ready.put(_DONE)
-
-    thread = threading.Thread(target=run, name="leanstate-checkpoint-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            try:
-                item = ready.get_nowait()
-            except queue.Empty:
-                if idle is not None and idle():
-                    continue
-                item = ready.get()
-            if item is _DONE:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _one_ahead(produce, buffers: list[bytearray]) -> Iterator:
-    """``produce(next_buffer)``'s items from a thread that fills one buffer ahead of the
-    caller: the caller hands back the buffer of the item it held when it asks for the next."""
-    free: queue.Queue = queue.Queue()
-    for buffer in buffers:
-        free.put(buffer)
-    stop = threading.Event()
-    filled: list[bytearray] = []  # the thread's buffers, in the order it filled them
-
-    def next_buffer() -> bytearray:
-        buffer = free.get()
-        if stop.is_set():
-            raise _Stopped
-        filled.append(buffer)
-        return buffer
-
-    def tagged() -> Iterator:
-        for item in produce(next_buffer):  # an item's last field is its slice, or None
-            yield item, filled.pop(0) if item[-1] is not None else None
-
-    items = _on_a_thread(tagged, stop)
-    held = None
-    try:
-        for item, buffer in items:
-            if held is not None:
-                free.put(held)
-            held = buffer
-            yield item
-    finally:
-        stop.set()
-        free.put(bytearray(0))  # wakes a thread waiting for a buffer: it sees ``stop`` and ends
-        items.close()  # then waits for the thread
+    yield from one_buffer_ahead(produce, [bytearray(size) for _ in range(2)])
 
 
 def read_in_place(
@@ -502,7 +408,7 @@ def read_in_place(
                         complete = data.readinto(space) == len(space)
                         crc = update(space, crc)  # while the slice is still in cache
                         if stop.is_set():
-                            raise _Stopped
+                            raise Stopped
                         yield path / part.file, index, chunk, done, rows, complete, crc
                         done += rows
 
@@ -519,7 +425,7 @@ def read_in_place(
             return True
 
         adopted, check, chunk_start = 0, None, 0
-        slices = _on_a_thread(read_slices, stop, fault_ahead)
+        slices = produced_on_a_thread(read_slices, stop, fault_ahead)
         try:
             for file, index, chunk, at, rows, complete, crc in slices:
                 if check is None or check.chunk is not chunk:

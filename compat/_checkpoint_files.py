@@ -15,7 +15,6 @@ Version 1, version 2 (across ranks) and the DCP adapter all go through here.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import io
@@ -32,6 +31,7 @@ from pathlib import Path
 import crc32c
 import torch
 
+from leanstate._background import finish_removals, remove_later
 from leanstate._checkpoint_format import (
     EXTRA_FILE,
     MANIFEST,
@@ -344,43 +344,15 @@ def publish(
     remove_previous_copies(path, marker)
 
 
-_removals: dict[Path, threading.Thread] = {}
-_removals_lock = threading.Lock()
-
-
 def remove_previous_copies(path: Path, marker: str = MANIFEST) -> None:
     """Delete the previous copies of ``path`` (``.NAME.previous-*``, this save's and any an
     interrupted one left): each marker now, the files on a background thread. A removal
     still running for ``path`` is waited for first, so two never race."""
-    with _removals_lock:
-        running = _removals.pop(path, None)
-    if running is not None:
-        running.join()
+    finish_removals(path)
     old = sorted(path.parent.glob(f".{path.name}.previous-*"))
     for copy in old:
         try:
             os.remove(copy / marker)
         except (FileNotFoundError, NotADirectoryError):
             pass
-    if not old:
-        return
-    thread = threading.Thread(
-        target=lambda: [shutil.rmtree(copy, ignore_errors=True) for copy in old],
-        name=f"leanstate-remove-{path.name}",
-        daemon=True,
-    )
-    with _removals_lock:
-        _removals[path] = thread
-    thread.start()
-
-
-def finish_removals() -> None:
-    """Wait until every previous copy being deleted is gone (also run at exit)."""
-    with _removals_lock:
-        running = list(_removals.values())
-        _removals.clear()
-    for thread in running:
-        thread.join()
-
-
-atexit.register(finish_removals)
+    remove_later(path, old)

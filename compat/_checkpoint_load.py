@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from leanstate._background import in_parallel
 from leanstate._checkpoint_chunks import TableRead, read_chunks, read_in_place
 from leanstate._checkpoint_files import interrupts_deferred
 from leanstate._checkpoint_format import SLICE_BYTES
@@ -157,15 +157,6 @@ def apply_tables(steps: Sequence[tuple[SupportsRows, Callable[[], object]]]) -> 
     """Run each ``(store, step)``'s step; on up to ``torch.get_num_threads()`` threads when
     the stores are distinct (one store's steps must keep their order). Every step runs
     to its end; the first failure, in ``steps`` order, is raised. Returns the results."""
-    threads = min(torch.get_num_threads(), len(steps))
-    if threads < 2 or len({id(store) for store, _ in steps}) < len(steps):
+    if len({id(store) for store, _ in steps}) < len(steps):
         return [step() for _, step in steps]
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanstate-load")
-    futures = [pool.submit(step) for _, step in steps]
-    try:
-        wait(futures)
-    finally:  # also on Ctrl-C: no step may still write once the caller undoes the load
-        for future in futures:
-            future.cancel()
-        pool.shutdown(wait=True)
-    return [future.result() for future in futures]
+    return in_parallel([step for _, step in steps], torch.get_num_threads())

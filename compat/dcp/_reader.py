@@ -11,7 +11,6 @@ import pickle
 import stat
 import struct
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from leanstate._background import Behind
 from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.reference.checkpoint import CheckpointError
 
@@ -121,8 +121,7 @@ class SafeFileSystemReader(FileSystemReader):
             self._check_sizes(Path(self.path) / relative, relative, items, planner)
         # A KV chunk's checks and apply run on a thread while the next chunk is read: at
         # most one commit in flight, in plan order, its failure raised before a later one.
-        committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leanstate-dcp-commit")
-        pending: list = []
+        committer = Behind("leanstate-dcp-commit")
         buffers: list[bytearray] = [bytearray(0), bytearray(0)]
         try:
             for relative, items in per_file.items():
@@ -144,8 +143,7 @@ class SafeFileSystemReader(FileSystemReader):
                             if into is None:  # two reused buffers: one being read, one committed
                                 into = _row_buffer(buffers, item.lengths)
                             rows = _read_stored_rows(f, info, item.lengths, file, what, into)
-                            _settle(pending)
-                            pending.append(committer.submit(planner.commit_loaded, item, rows))
+                            committer.submit(planner.commit_loaded, item, rows)
                             continue
                         f.seek(info.offset)
                         data = f.read(info.length)
@@ -175,13 +173,14 @@ class SafeFileSystemReader(FileSystemReader):
                             )
                         target.copy_(tensor)
                         planner.commit_tensor(item, target)
-            _settle(pending)
+            committer.settle()
         except BaseException:
-            if pending and pending[-1].exception() is not None:
-                raise pending[-1].exception() from None  # it stands earlier in the file
+            failure = committer.failure()
+            if failure is not None:
+                raise failure from None  # it stands earlier in the file
             raise
         finally:
-            committer.shutdown(wait=True)  # no commit runs once the load is undone
+            committer.close()  # no commit runs once the load is undone
         future: Future = Future()
         future.set_result(None)
         return future
@@ -238,12 +237,6 @@ class _Slice(io.RawIOBase):
         n = self.f.readinto(view)
         self.position += n
         return n
-
-
-def _settle(pending: list) -> None:
-    """Wait for the commit in flight, raising its failure."""
-    while pending:
-        pending.pop().result()
 
 
 def _row_buffer(buffers: list[bytearray], lengths) -> torch.Tensor:

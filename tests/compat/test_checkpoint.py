@@ -12,7 +12,8 @@ import crc32c
 import pytest
 import torch
 
-from leanstate._checkpoint_files import finish_removals, read_manifest
+from leanstate._background import finish_removals
+from leanstate._checkpoint_files import read_manifest
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
