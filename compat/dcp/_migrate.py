@@ -40,9 +40,11 @@ def load(
     """``dcp.load`` into ``state_dict`` with :class:`KVLoadPlanner` and :class:`SafeFileSystemReader`,
     all or nothing for the KV tables on every rank; returns the planner's ``stats``.
 
-    When every store is empty (on every rank) rows are applied as they are read and a
-    failure anywhere empties them again; otherwise every rank first verifies all its
-    chunks, the ranks agree, and only then does any rank apply. Call on every rank.
+    The one load transaction of every format (``leanstate._checkpoint_load``): when every
+    store is empty (on every rank) rows are applied as they are read (in place where the
+    store offers it) and a failure anywhere empties them again; otherwise every rank first
+    verifies all its chunks, the ranks agree, and only then does any rank apply, with
+    Ctrl-C deferred. Call on every rank.
 
     A KV table saved as a plain ``[N, D]`` tensor (TorchRec's ``EmbeddingBagCollection``
     through stock ``dcp.save``) loads as rows ``0..N-1``, once everything else has loaded;

@@ -96,15 +96,9 @@ def load(
     checkpoint_id: str | os.PathLike,
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, dict[str, int]]:
-    """``dcp.load`` into ``state_dict`` with :class:`KVLoadPlanner` and :class:`SafeFileSystemReader`,
-    all or nothing for the KV tables on every rank; returns the planner's ``stats``.
-
-    The one load transaction of every format (``leanstate._checkpoint_load``): when every
-    store is empty (on every rank) rows are applied as they are read (in place where the
-    store offers it) and a failure anywhere empties them again; otherwise every rank first
-    verifies all its chunks, the ranks agree, and only then does any rank apply, with
-    Ctrl-C deferred. Call on every rank.
-    """
+    """The KV checkpoint's part of ``leanstate.dcp.load`` (``_migrate.load``, which adds
+    plain tables): ``dcp.load`` with :class:`KVLoadPlanner` inside the one load
+    transaction; the planner's ``stats``."""
     method = "leanstate.dcp.load"
     _, entries = split_state(state_dict, method)
     SafeFileSystemReader(checkpoint_id).read_metadata()  # a bad .metadata is named, not wrapped
