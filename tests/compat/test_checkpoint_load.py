@@ -100,19 +100,28 @@ def owned_rows(folder: str, name: str, live: bool, rank: int, world: int):
     return keys[mine], rows[mine]
 
 
-def assert_pool_whole(store: KVStore) -> None:
-    """A numba store's pool: every block handed out is either a live row's or on the free
-    list, exactly once, and every free block (and the next ones not handed out) is zero."""
+def pool_problems(store: KVStore) -> list[str]:
+    """What is wrong with a numba store's pool: every block handed out must be either a live
+    row's or on the free list, exactly once, and every free block (and the next ones not
+    yet handed out) zero."""
     if store.backend != "numba":
-        return
+        return []
     engine = store.engine
     free = engine.free[: engine.free_top].astype(np.int64)
     live = engine.locate(store.keys()).numpy()
     blocks = np.sort(np.concatenate([free, live]))
-    assert np.array_equal(blocks, np.arange(engine.handed_out)), "a block lost or handed out twice"
-    assert not engine.words[free].any(), "a free block holds stale bytes"
     ahead = engine.words[engine.handed_out : engine.handed_out + 4 * CHUNK_ROWS * BUCKETS]
-    assert not ahead.any(), "a block past the handed-out ones holds stale bytes"
+    checks = {
+        "a block lost or handed out twice": np.array_equal(blocks, np.arange(engine.handed_out)),
+        "a free block holds stale bytes": not engine.words[free].any(),
+        "a block past the handed-out ones holds stale bytes": not ahead.any(),
+    }
+    return [problem for problem, ok in checks.items() if not ok]
+
+
+def assert_pool_whole(store: KVStore) -> None:
+    problems = pool_problems(store)
+    assert not problems, problems
 
 
 def _refuse_staging(self, rows):
@@ -251,19 +260,24 @@ def _loads_the_textbooks_rows(fmt: str, path: Path, rank: int, world: int, folde
     """Load ``path`` into empty and live tables of every backend; each must hold the rows of
     the textbook's that this rank owns, and empty numba tables read them in place (but from
     version 1 on several ranks, whose chunks hold every rank's rows). The empty numba
-    tables, loaded."""
-    kept = {}
+    tables, loaded.
+
+    A rank's problems are raised once every load (each a collective) has run on it, so a
+    rank that finds one does not leave the others waiting."""
+    kept, problems = {}, []
     for backend in BACKENDS:
         for live in (False, True):
             tables = {name: bucketed(name, backend, live, rank, world) for name in SPECS}
             with in_place_only(backend == "numba" and not live and (fmt != "v1" or world == 1)):
                 _load(fmt, path, tables, dist.group.WORLD)
             for name, table in tables.items():
-                want = owned_rows(folder, name, live, rank, world)
-                assert same(snapshot(table.store), want), (fmt, backend, live, name, rank)
-                assert_pool_whole(table.store)
+                what = f"{fmt} {backend} {'live' if live else 'empty'} {name!r}"
+                if not same(snapshot(table.store), owned_rows(folder, name, live, rank, world)):
+                    problems.append(f"{what}: rows differ from the textbook's")
+                problems += [f"{what}: {problem}" for problem in pool_problems(table.store)]
             if backend == "numba" and not live:
                 kept = tables
+    assert not problems, "\n".join(problems)
     return kept
 
 
@@ -293,19 +307,22 @@ def refused(fmt: str, kind: str):
 
     def scenario(rank, world, folder):
         path = Path(folder, f"bad-{fmt}-{kind.replace(' ', '-')}")
+        problems = []  # raised once every load (a collective) has run on this rank
         for backend in BACKENDS:
             for live in (False, True):
+                what = f"{backend} {'live' if live else 'empty'}"
                 tables = {name: bucketed(name, backend, live, rank, world) for name in SPECS}
                 before = {name: snapshot(table.store) for name, table in tables.items()}
-                try:  # (pytest.raises would fail with a BaseException, which ends the rank)
+                try:
                     _load(fmt, path, tables, dist.group.WORLD)
+                    problems.append(f"{what}: loaded without an error")
                 except CheckpointError:
                     pass
-                else:
-                    raise AssertionError(f"{backend} {'live' if live else 'empty'}: loaded without an error")
                 for name, table in tables.items():
-                    assert same(snapshot(table.store), before[name]), (backend, live, name, rank)
-                    assert_pool_whole(table.store)
+                    if not same(snapshot(table.store), before[name]):
+                        problems.append(f"{what} {name!r}: the store changed")
+                    problems += [f"{what} {name!r}: {problem}" for problem in pool_problems(table.store)]
+        assert not problems, "\n".join(problems)
 
     return scenario
 
