@@ -140,7 +140,7 @@ def in_place_only(on: bool):
         KVStoreEngine.write_rows = saved
 
 
-# -- damage: the same three faults in every format ------------------------------------------
+# -- damage: the same faults in every format ---------------------------------------------------
 
 
 def _damage_native(path: Path, fmt: str, kind: str) -> None:
