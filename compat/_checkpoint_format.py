@@ -301,13 +301,19 @@ def manifest_v2_problem(manifest: dict) -> str | None:
                 or not isinstance(f.get("chunks"), list)
             ):
                 return f"tables[{name!r}].files entries must name a plain file and list its chunks"
-            offset = 0
+            offset, previous = 0, None
             for i, chunk in enumerate(f["chunks"]):
                 keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
                 if not isinstance(chunk, dict) or not all(is_count(chunk.get(k)) for k in keys):
                     return f"{f['file']} chunk {i}: needs non-negative integers {', '.join(keys)}"
                 if chunk["offset"] != offset:
                     return f"{f['file']} chunk {i}: offset {chunk['offset']}, expected {offset} (contiguous)"
+                if previous is not None and (chunk["bucket"], chunk["min_id"]) <= previous:
+                    return (
+                        f"{f['file']} chunk {i}: (bucket, min_id) ({chunk['bucket']}, {chunk['min_id']}) does not "
+                        f"follow the previous chunk's (bucket, max_id) {previous} (rows are bucket-major, ids ascending)"
+                    )
+                previous = (chunk["bucket"], chunk["max_id"])
                 offset += chunk["rows"] * table.get("row_bytes", 0)
                 total += chunk["rows"]
             if f.get("bytes") != offset:

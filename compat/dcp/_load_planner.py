@@ -51,6 +51,9 @@ class _Job:
     crc: torch.Tensor  # the saved CRC of every chunk, as read
     crc_read: torch.Tensor  # which of them have been read
     computed: dict[int, int]  # chunk -> CRC of the bytes read, not yet compared
+    # chunk -> its first and last row in saving order, as (bucket, id): chunks read must
+    # follow each other in that order (a row repeating the chunk before's last id is damage)
+    ends: dict[int, tuple[tuple[int, int], tuple[int, int]]] = dataclasses.field(default_factory=dict)
     expected_rows: int = 0  # about the rows this rank applies: what an empty store reserves
     reserved: bool = False
     # Read in place (an empty store whose engine offers it, every planned row this rank's):
@@ -353,6 +356,16 @@ class KVLoadPlanner(DefaultLoadPlanner):
             raise CheckpointError(
                 f"KVLoadPlanner: {where}: its ids are out of order or outside {chunk[MIN_ID]}..{chunk[MAX_ID]}"
             )
+        bucketing = schema["bucketing"]
+        edges = ids[[0, -1]]
+        buckets = (
+            [0, 0]
+            if bucketing is None
+            else bucket_of(edges, total_num_buckets=bucketing[0], bucket_size=bucketing[1]).tolist()
+        )
+        first, last = edges.tolist()
+        with self._lock:
+            job.ends[k] = ((buckets[0], first), (buckets[1], last))
         stats = self.stats[job.table]
         stats["chunks"] += 1
         if self.verify_only:
@@ -381,7 +394,8 @@ class KVLoadPlanner(DefaultLoadPlanner):
         stats["rows"] += len(values)
 
     def _check_deferred(self) -> None:
-        """Compare the chunks that arrived before their CRC (another file's order)."""
+        """Once every chunk is in: compare the chunks that arrived before their CRC (another
+        file's order), and check that the chunks read follow each other in saving order."""
         for job in self._jobs.values():
             for k, crc in sorted(job.computed.items()):
                 if not bool(job.crc_read[k]) or crc != int(job.crc[k]):
@@ -390,6 +404,14 @@ class KVLoadPlanner(DefaultLoadPlanner):
                         "is corrupt"
                     )
             job.computed.clear()
+            read = sorted(job.ends)
+            for before, k in zip(read, read[1:]):
+                if job.ends[before][1] >= job.ends[k][0]:
+                    raise CheckpointError(
+                        f"KVLoadPlanner: table {job.table!r}: chunk {k} starts at id {job.ends[k][0][1]}, not "
+                        f"after chunk {before}'s last id {job.ends[before][1][1]} (ids must ascend across "
+                        "chunks, in saving order); the checkpoint is corrupt"
+                    )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

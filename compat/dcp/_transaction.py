@@ -147,6 +147,9 @@ def _load_with(state_dict, planner: KVLoadPlanner, checkpoint_id, process_group)
                 no_dist=not distributed(),
             )
     except CheckpointException as exc:
+        mine = exc.failures.get(group_rank(process_group)[0])
+        if mine is not None and isinstance(mine[0], KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ctrl-C here, not a damaged checkpoint
         raise unwrap(exc, "leanstate.dcp.load", checkpoint_id) from None
     finally:
         planner.close()

@@ -222,18 +222,6 @@ def damaged(folder: Path, source: str, fmt: str, kind: str) -> Path:
     return path
 
 
-# The DCP load checks each chunk's ids on their own; nothing compares a chunk with the
-# chunk before it, so a row that repeats the previous chunk's last id overwrites it.
-ACROSS_CHUNKS_IN_DCP = pytest.mark.xfail(
-    strict=True,
-    reason="leanstate.dcp.load does not check that ids ascend across chunks (one row silently lost)",
-)
-
-
-def _marks(fmt: str, kind: str):
-    return [ACROSS_CHUNKS_IN_DCP] if (fmt, kind) == ("dcp", "ids back across chunks") else []
-
-
 # -- across ranks ---------------------------------------------------------------------------
 
 
@@ -366,9 +354,7 @@ def checkpoints(tmp_path_factory):
 
 
 CASES = [
-    pytest.param(
-        i, name, id=f"world{world}-{name}", marks=_marks(*name.split(" ", 2)[1:]) if name in REFUSED else []
-    )
+    pytest.param(i, name, id=f"world{world}-{name}")
     for i, (world, names) in enumerate(RUNS)
     for name in names
 ]
@@ -409,9 +395,7 @@ def test_every_format_loads_the_textbooks_rows_in_one_process(checkpoints, fmt, 
         assert_pool_whole(store)
 
 
-@pytest.mark.parametrize(
-    "fmt, kind", [pytest.param(f, k, marks=_marks(f, k)) for f in FORMATS for k in DAMAGE]
-)
+@pytest.mark.parametrize("fmt, kind", [(f, k) for f in FORMATS for k in DAMAGE])
 def test_every_format_refuses_the_same_damage_in_one_process(checkpoints, fmt, kind):
     """The damaged copy, into empty and live plain stores of every backend: a
     ``CheckpointError`` (the textbook's class for the version-1 copy), and no store changes."""
@@ -625,11 +609,6 @@ def test_ctrl_c_during_a_dcp_load_into_a_live_store_is_raised_once_every_chunk_i
     assert outcomes["live"] == ("KeyboardInterrupt", 4000, chunks) and chunks > 2, outcomes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DCP gathers the KeyboardInterrupt as a rank's failure: leanstate.dcp.load raises a "
-    "CheckpointError ('rank 0: KeyboardInterrupt') instead",
-)
 def test_ctrl_c_during_a_dcp_load_into_an_empty_store_empties_it_and_is_raised(interrupted):
     """Into an empty store rows are applied as they are read: Ctrl-C stops the load, the
     store is emptied again, and the interrupt reaches the caller as ``KeyboardInterrupt``
