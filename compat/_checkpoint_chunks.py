@@ -366,6 +366,30 @@ def read_chunks(
     yield from one_buffer_ahead(produce, [bytearray(size) for _ in range(2)])
 
 
+def _slices_of(
+    chunks: list[tuple[int, dict]], row_bytes: int, slice_rows: int
+) -> Iterator[list[tuple[int, dict, int, int]]]:
+    """The slices one file's ``chunks`` are read in: at most ``slice_rows`` rows of bytes
+    that follow each other in the file, each a list of pieces ``(index, chunk, first row,
+    rows)``. A large chunk spans slices; small chunks next to each other share one (a
+    version-2 file holds a chunk per bucket, often a few hundred rows: one read, one
+    hand-over and one adopt for many)."""
+    pieces: list[tuple[int, dict, int, int]] = []
+    rows, end = 0, None
+    for index, chunk in chunks:
+        start = 0
+        while start < chunk["rows"]:
+            offset = chunk["offset"] + start * row_bytes
+            if pieces and (offset != end or rows == slice_rows):
+                yield pieces
+                pieces, rows = [], 0
+            count = min(chunk["rows"] - start, slice_rows - rows)
+            pieces.append((index, chunk, start, count))
+            rows, start, end = rows + count, start + count, offset + count * row_bytes
+    if pieces:
+        yield pieces
+
+
 def read_in_place(
     path: Path,
     read: TableRead,
@@ -396,21 +420,26 @@ def read_in_place(
         files.callback(pool.release)
         update = CHECKSUMS[read.checksum]
 
-        def read_slices() -> Iterator[tuple[Path, int, dict, int, int, bool, int]]:
+        def read_slices() -> Iterator[tuple[Path, list[tuple], int, int, bool, list[int]]]:
             done = 0
             for part, data in zip(read.files, opened, strict=True):
-                for index, chunk in part.chunks:
-                    data.seek(chunk["offset"])
-                    crc = 0
-                    for start in range(0, chunk["rows"], slice_rows):
-                        rows = min(slice_rows, chunk["rows"] - start)
-                        space = pool[done * row_bytes : (done + rows) * row_bytes]
-                        complete = data.readinto(space) == len(space)
-                        crc = update(space, crc)  # while the slice is still in cache
-                        if stop.is_set():
-                            raise Stopped
-                        yield path / part.file, index, chunk, done, rows, complete, crc
-                        done += rows
+                crc = 0
+                for pieces in _slices_of(part.chunks, row_bytes, slice_rows):
+                    rows = sum(piece[3] for piece in pieces)
+                    data.seek(pieces[0][1]["offset"] + pieces[0][2] * row_bytes)
+                    space = pool[done * row_bytes : (done + rows) * row_bytes]
+                    complete = data.readinto(space) == len(space)
+                    crcs, at = [], 0
+                    for _, _, start, count in pieces:  # each chunk's CRC while its bytes are in cache
+                        crc = update(
+                            space[at * row_bytes : (at + count) * row_bytes], 0 if start == 0 else crc
+                        )
+                        crcs.append(crc)
+                        at += count
+                    if stop.is_set():
+                        raise Stopped
+                    yield path / part.file, pieces, done, rows, complete, crcs
+                    done += rows
 
         faulted = 0
 
@@ -424,20 +453,25 @@ def read_in_place(
             faulted += step
             return True
 
-        adopted, check, chunk_start = 0, None, 0
+        adopted, check = 0, None
         slices = produced_on_a_thread(read_slices, stop, fault_ahead)
         try:
-            for file, index, chunk, at, rows, complete, crc in slices:
-                if check is None or check.chunk is not chunk:
-                    check, chunk_start = _ChunkCheck(file, index, chunk, read), at
-                if not complete:
-                    raise CheckpointError(f"{check.where} is truncated")
-                check.add(pool[at * row_bytes : (at + rows) * row_bytes], crc)
-                engine.adopt(first + at, rows)
+            for file, pieces, at, rows, complete, crcs in slices:
+                finished, offset = [], at
+                for (index, chunk, start, count), crc in zip(pieces, crcs, strict=True):
+                    if start == 0:
+                        check = _ChunkCheck(file, index, chunk, read)
+                    if not complete:
+                        raise CheckpointError(f"{check.where} is truncated")
+                    check.add(pool[offset * row_bytes : (offset + count) * row_bytes], crc)
+                    offset += count
+                    if start + count == chunk["rows"]:
+                        check.finish()
+                        finished.append(chunk)
+                engine.adopt(first + at, rows)  # the slice's every piece checked first
                 adopted = at + rows
-                if adopted == chunk_start + chunk["rows"]:
-                    check.finish()
-                    if progress is not None:
+                if progress is not None:
+                    for chunk in finished:
                         progress(chunk, adopted)
         except BaseException:
             slices.close()  # the reader thread has stopped writing before the rest is zeroed
