@@ -49,6 +49,7 @@ def load_all_or_nothing(
     verify: Callable[[], None],
     apply: Callable[[bool], None],
     *,
+    prepare: Callable[[], None] | None = None,
     group: dist.ProcessGroup | None = None,
     gather_errors: bool = False,
     method: str = "load_checkpoint",
@@ -56,22 +57,28 @@ def load_all_or_nothing(
     """Run one load of ``stores`` all or nothing, on every rank of ``group`` (None: this
     process alone).
 
-    When every store is empty on every rank and none appears twice, ``apply(True)`` runs
-    once and a failure empties the stores again. Otherwise ``verify()`` reads and checks
-    everything first, and ``apply(False)`` runs only if it passed everywhere, with
-    Ctrl-C deferred. ``gather_errors``: an ``Exception`` on any rank becomes a
-    :class:`CheckpointError` naming that rank, raised on every rank (the formats whose
-    ranks do not already agree through DCP).
+    ``prepare()`` first (the manifest's checks: nothing read into a store). When every
+    store is empty on every rank and none appears twice, ``apply(True)`` runs once and a
+    failure empties the stores again. Otherwise ``verify()`` reads and checks everything
+    first, and ``apply(False)`` runs only if it passed everywhere, with Ctrl-C deferred.
+    ``gather_errors``: an ``Exception`` on any rank becomes a :class:`CheckpointError`
+    naming that rank, raised on every rank (the formats whose ranks do not already agree
+    through DCP); the ranks agree on the prepared load and the empty stores in one
+    collective, and on each later step in one more.
     """
     unique = list({id(store): store for store in stores}.values())
     mine = len(unique) == len(stores) and all(len(store) == 0 for store in unique)
-    empty = all(from_every_rank(mine, group))
+    problem = _attempt(prepare, group, gather_errors)
+    failed, held = _any_rank((problem is not None, not mine), group)
+    if failed:
+        _raise_first(problem, group, method, "nothing was applied")
+    empty = not held
     if not empty:
-        on_every_rank(verify, group, gather_errors, method, "nothing was applied")
+        _on_every_rank(verify, group, gather_errors, method, "nothing was applied")
     try:
         with contextlib.nullcontext() if empty else interrupts_deferred():
             outcome = "the stores were emptied again" if empty else "verified rows were being applied"
-            on_every_rank(lambda: apply(empty), group, gather_errors, method, outcome)
+            _on_every_rank(lambda: apply(empty), group, gather_errors, method, outcome)
     except BaseException:
         if empty:
             for store in unique:
@@ -79,18 +86,41 @@ def load_all_or_nothing(
         raise
 
 
-def on_every_rank(run: Callable[[], None], group, gather_errors: bool, method: str, outcome: str) -> None:
+def _on_every_rank(run: Callable[[], None], group, gather_errors: bool, method: str, outcome: str) -> None:
     """``run()``; with ``gather_errors``, an ``Exception`` on any rank of ``group`` is raised
     on every rank as a :class:`CheckpointError` naming the first failed rank and ``outcome``."""
+    problem = _attempt(run, group, gather_errors)
+    if gather_errors and _any_rank((problem is not None,), group)[0]:
+        _raise_first(problem, group, method, outcome)
+
+
+def _attempt(run: Callable[[], None] | None, group, gather_errors: bool) -> str | None:
+    """``run()``; with ``gather_errors``, its ``Exception`` as a problem naming this rank."""
+    if run is None:
+        return None
     if not gather_errors:
         run()
-        return
-    rank = 0 if group is None else dist.get_rank(group)
-    problem = None
+        return None
     try:
         run()
     except Exception as exc:
-        problem = f"rank {rank}: {exc}"
+        return f"rank {0 if group is None else dist.get_rank(group)}: {exc}"
+    return None
+
+
+def _any_rank(flags: tuple[bool, ...], group) -> list[bool]:
+    """Whether each flag holds on any rank of ``group``: one small all-reduce (a message is
+    gathered only when something failed)."""
+    if group is None:
+        return list(flags)
+    values = torch.tensor([int(flag) for flag in flags])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in values.tolist()]
+
+
+def _raise_first(problem: str | None, group, method: str, outcome: str) -> None:
+    """Once some rank failed (every rank calls this): the first failed rank's problem,
+    raised on every rank."""
     failed = [p for p in from_every_rank(problem, group) if p is not None]
     if failed:
         raise CheckpointError(f"{method}: the load across ranks failed ({outcome}): {failed[0]}")

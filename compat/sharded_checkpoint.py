@@ -43,7 +43,6 @@ from leanstate._checkpoint_load import (
     apply_table,
     apply_tables,
     load_all_or_nothing,
-    on_every_rank,
     verify_table,
 )
 from leanstate._checkpoint_ranks import broadcast, staged_by_rank_0
@@ -266,9 +265,10 @@ def load_sharded(
         stats["rows_loaded"] = sum(apply_tables(steps))
 
     try:
-        on_every_rank(prepare, process_group, True, method, "nothing was applied")
         stores = [table.store for table in tables.values()]
-        load_all_or_nothing(stores, verify, apply, group=process_group, gather_errors=True, method=method)
+        load_all_or_nothing(
+            stores, verify, apply, prepare=prepare, group=process_group, gather_errors=True, method=method
+        )
     finally:
         _record(stats)  # also when the load fails: what this rank read before it did
     return extra
