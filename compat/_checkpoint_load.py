@@ -17,12 +17,15 @@ Version 1, version 2 (across ranks) and DCP load through here:
   threads when their stores are distinct (the numba kernels release the GIL; each store
   has its own lock, so the rows are the same bits as on one thread).
 
-The in-place load's rules (threads, pages, locks), in one place: the engine's write
-lock is held from ``claim`` to the last ``adopt`` or ``abandon``, so no other call
-sees claimed blocks; the pool cannot move meanwhile (``claim`` mapped every block
-first); the reader thread only ``readinto``s claimed blocks no one else owns and is
-stopped before any of them is zeroed and freed (``abandon``); the pages ahead are
-faulted in by the waiting thread, which changes no byte.
+The in-place load's rules (threads, pages, locks), in one place, for every format: the
+engine's write lock is held from ``claim`` to the last ``adopt`` or ``abandon`` (a
+version 1 or 2 table's ``read_in_place``; DCP's planner from a table's first chunk to
+its ``close()``), so no other call sees claimed blocks; the pool cannot move meanwhile
+(``claim`` mapped every block first); whatever reads (the load's reader thread, or
+DCP's reader) only ``readinto``s claimed blocks no one else owns, and has stopped
+before any of them is zeroed and freed (``abandon``); a block is adopted only after
+its chunk's bytes were checked (DCP's commit thread adopts a chunk the reader has
+finished); the pages ahead are faulted in by the waiting thread, which changes no byte.
 """
 
 from __future__ import annotations
