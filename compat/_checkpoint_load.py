@@ -23,9 +23,10 @@ version 1 or 2 table's ``read_in_place``; DCP's planner from a table's first chu
 its ``close()``), so no other call sees claimed blocks; the pool cannot move meanwhile
 (``claim`` mapped every block first); whatever reads (the load's reader thread, or
 DCP's reader) only ``readinto``s claimed blocks no one else owns, and has stopped
-before any of them is zeroed and freed (``abandon``); a block is adopted only after
-its chunk's bytes were checked (DCP's commit thread adopts a chunk the reader has
-finished); the pages ahead are faulted in by the waiting thread, which changes no byte.
+before any of them is zeroed and freed (``abandon``); a slice is adopted once its ids
+were checked, its chunk's checksum possibly later (a chunk's last slice, or DCP's CRC
+arriving after the chunk): a failure then empties the stores, as a load into empty
+stores may; the pages ahead are faulted in by the waiting thread, which changes no byte.
 """
 
 from __future__ import annotations
