@@ -36,8 +36,8 @@ TABLE_SLOTS = 1024  # the accelerated engines' tables start at 16 or 1024 slots
 def ids(*, padding: bool = False) -> st.SearchStrategy[int]:
     """One int64 id: a third from a small pool (0-40, so batches hit, miss and repeat), a
     third from :data:`ID_EDGES`, a third anywhere in ``[0, 2**63 - 1]``. With ``padding``,
-    a quarter are negative (padding in reads, writes and bags; refused by ``set_rows``):
-    mostly -1, or :data:`PADDING_IDS`, or another small negative."""
+    a quarter each, the fourth negative (padding in reads, writes and bags; refused by
+    ``set_rows``): mostly -1, or :data:`PADDING_IDS`, or another small negative."""
     parts = [st.integers(0, 40), st.sampled_from(ID_EDGES), st.integers(0, ID_MAX)]
     if padding:
         parts.append(st.just(-1) | st.sampled_from(PADDING_IDS) | st.integers(-40, -1))

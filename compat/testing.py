@@ -20,6 +20,12 @@ duplicate ids, header stamps, eviction boundaries, checkpoint bytes and the drop
 details. ``WrapperConformance`` (fixture ``wrap``) and ``ZeroConformance`` (fixture
 ``make_optimizer``) do the same for activation wrappers and ZeRO-like optimizers. See
 ``spec/testing.md`` for a worked example.
+
+The hypothesis strategies the state machine draws from are public too (``ids``,
+``colliding_ids``, ``id_batches``, ``dims``, ``dtypes``, ``state_dims``, ``layouts``,
+``counts``, ``evictions``, ``out_buffers``): inputs weighted to the int64 edges, hash
+collisions, duplicates and padding, wide and odd dims, saturating counts and exact
+eviction boundaries, for a user's own tests as for leanstate's differential ones.
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ class KVStoreConformance:
         }
         return reference_store(DIM, **options), make_store(DIM, **options), options["clock"]
 
-    def test_random_operations_match_thereference_store(self, make_store):
+    def test_random_operations_match_the_reference(self, make_store):
         run_store_machine(make_store, self.examples, max_dim=self.max_dim, settings=self.settings)
 
     def test_missing_ids_read_their_initial_rows(self, make_store):
