@@ -52,12 +52,15 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_Groups = tuple[tuple[int, ...], ...]
+
+
 @functools.cache
-def _collision_groups(num_shards: int, table_slots: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _collision_groups(num_shards: int, table_slots: int) -> tuple[_Groups, _Groups]:
     """Groups of ids sharing a shard and a home slot: (the groups, those homed on the last slot).
 
-    The candidates are runs of ids from each region of the id space; enough of them that
-    every (shard, slot) pair holds several on average, up to 2**20.
+    The candidates are five runs of ids, one in each region of the id space, long enough
+    that a (shard, slot) pair holds several on average (each run at most 2**18 ids).
     """
     per_start = min(2**18, max(2**12, 8 * num_shards * table_slots // 4))
     starts = (0, 2**31 - per_start // 2, 2**32 - per_start // 2, 2**62, 2**63 - per_start)
@@ -87,12 +90,13 @@ def colliding_ids(
     mod table_slots``, where the accelerated engines start their linear probes (so they
     collide in every smaller table too). Half the groups sit on the table's last slot, so
     their probe runs wrap to slot 0. Ids come from near 0, 2**31, 2**32, 2**62 and 2**63."""
-    if not 1 <= num_shards <= 65536 or table_slots < 1 or table_slots & (table_slots - 1):
+    if not 1 <= num_shards <= 65536 or table_slots < 1 or table_slots & (table_slots - 1) or max_size < 2:
         raise ValueError(
-            f"colliding_ids: num_shards in [1, 65536] and table_slots a power of two; got {num_shards}, {table_slots}"
+            "colliding_ids: num_shards in [1, 65536], table_slots a power of two, max_size >= 2; "
+            f"got {num_shards}, {table_slots}, {max_size}"
         )
-    _collision_groups(num_shards, table_slots)  # found now, so a bad argument fails here
-    picks = st.lists(st.integers(0, 15), min_size=2, max_size=max(2, max_size), unique=True)
+    _collision_groups(num_shards, table_slots)  # the search runs once, here, not in a draw
+    picks = st.lists(st.integers(0, max(15, max_size)), min_size=2, max_size=max_size, unique=True)
     return _picked(num_shards, table_slots, picks)
 
 
@@ -128,7 +132,7 @@ def id_batches(
     one = ids(padding=padding)
     spread = st.lists(one, min_size=min_size, max_size=max_size)
     pools = st.tuples(st.lists(one, min_size=1, max_size=3), st.just(()))
-    groups = st.tuples(colliding_ids(num_shards), st.lists(one, max_size=3))
+    groups = st.tuples(colliding_ids(num_shards), st.lists(one, max_size=3))  # and extra ids
     repeats = _from_pool(pools, st.lists(st.integers(0, 7), min_size=min_size, max_size=max_size))
     colliding = _from_pool(groups, st.lists(st.integers(0, 9), min_size=min_size, max_size=max_size))
     return st.one_of(spread, repeats, colliding)

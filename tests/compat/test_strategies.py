@@ -96,7 +96,8 @@ def test_colliding_ids_on_a_smaller_table():
 
 
 @pytest.mark.parametrize(
-    "arguments", [{"num_shards": 0}, {"num_shards": 65537}, {"table_slots": 1000}, {"table_slots": 0}]
+    "arguments",
+    [{"num_shards": 0}, {"num_shards": 65537}, {"table_slots": 1000}, {"table_slots": 0}, {"max_size": 1}],
 )
 def test_colliding_ids_refuse_bad_arguments(arguments):
     with pytest.raises(ValueError, match="colliding_ids"):
