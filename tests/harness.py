@@ -36,16 +36,16 @@ class FakeClock:
 # -- stores -------------------------------------------------------------------------------
 
 
-def check_backend(backend: str, examples: int = 80) -> None:
+def check_backend(backend: str, examples: int = 80, max_dim: int = 300) -> None:
     """Run the conformance kit's state machine on ``backend``'s stores against the reference
-    (shard counts vary with the seed)."""
+    (shard counts vary with the seed; dims up to ``max_dim``)."""
     from leanstate.kv_store import KVStore
     from leanstate.testing import run_store_machine
 
     def make_store(dim, *, seed, **options):
         return KVStore(dim, backend=backend, seed=seed, num_shards=1 + seed % 5, **options)
 
-    run_store_machine(make_store, examples=examples)
+    run_store_machine(make_store, examples=examples, max_dim=max_dim)
 
 
 def rewrite_dcp_item(path: Path, fqn: str, offset: int, change) -> None:
