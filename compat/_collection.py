@@ -206,12 +206,12 @@ class TableCollection(nn.Module):
 
 def config_of(name: str, bag: nn.Module) -> KVTableConfig:
     """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
-    low, high = bag._config["init_range"]
+    low, high = bag.store.init_range
     return KVTableConfig(
         name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
         optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
         optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
-        num_shards=bag._config["num_shards"], weight_init_min=low, weight_init_max=high, seed=bag._config["seed"],
+        num_shards=bag.store.num_shards, weight_init_min=low, weight_init_max=high, seed=bag.store.seed,
     )  # fmt: skip
 
 

@@ -15,16 +15,15 @@ import torch
 
 import leanstate
 from leanstate import _backends
+from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
 from leanstate._tools.workloads import (
     CheckpointIO,
     EmbeddingStep,
     KVGetSet,
-    TablesLoad,
     WrapperStep,
     load_peak_extra_bytes,
     samples,
     sharded_comparison,
-    sharded_load_comparison,
     threads_under_load,
     zero_comparison,
 )

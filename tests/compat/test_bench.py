@@ -6,7 +6,8 @@ import torch
 
 from leanstate import _backends
 from leanstate._tools import bench
-from leanstate._tools.workloads import TablesLoad, WrapperStep, sharded_load_comparison
+from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
+from leanstate._tools.workloads import WrapperStep
 
 
 @pytest.fixture(scope="module")
