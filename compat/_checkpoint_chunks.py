@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from leanstate._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
@@ -36,6 +36,9 @@ from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharding import bucket_of
+
+if TYPE_CHECKING:
+    import numpy
 
 # -- writing ------------------------------------------------------------------------------
 
@@ -216,7 +219,7 @@ class TableRead:
 
 
 def in_saving_order(
-    keys: torch.Tensor | np.ndarray, bucketing: tuple[int, int | None] | list | None = None
+    keys: torch.Tensor | numpy.ndarray, bucketing: tuple[int, int | None] | list | None = None
 ) -> bool:
     """Whether ``keys`` (on the host) strictly ascend, or with ``bucketing`` ascend by
     (bucket, id): the order every format saves rows in.
@@ -235,10 +238,12 @@ def in_saving_order(
     return bool(((step > 0) | ((step == 0) & ascending)).all())
 
 
-def in_bucket(keys: np.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
+def in_bucket(keys: numpy.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
     """Whether every key (all >= 0) lies in ``bucket``: ``bucket_of``'s rule, in numpy, because
     a version-2 chunk holds one bucket's rows, a few hundred, and four torch calls a chunk
     cost more than the load's copy of them."""
+    import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
+
     buckets, size = bucketing
     of = keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
     return bool((of == bucket).all())
@@ -264,6 +269,8 @@ class _ChunkCheck:
     def add(self, view: memoryview, crc: int | None = None) -> None:
         """One more slice; ``crc``: the chunk's running checksum through it, when the
         reader already computed it (while the bytes were still in cache)."""
+        import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
+
         self.crc = self.update(view, self.crc) if crc is None else crc
         keys = np.frombuffer(view, dtype=np.int64)[:: self.row_bytes // 8]
         if not in_saving_order(keys) or int(keys[0]) <= self.last_key:
