@@ -13,9 +13,9 @@ Version 1, version 2 (across ranks) and DCP load through here:
   ids, the manifest's id range, the chunk's bucket), then either read in place into an
   empty store that offers it (``store.rows_in_place()``) or, filtered to the rows this
   load keeps, upserted through ``set_rows`` into a store grown once by ``reserve``.
-- :func:`apply_tables` runs several tables' steps on up to ``torch.get_num_threads()``
-  threads when their stores are distinct (the numba kernels release the GIL; each store
-  has its own lock, so the rows are the same bits as on one thread).
+- :func:`apply_tables` runs several tables' steps, on up to ``torch.get_num_threads()``
+  threads when they read in place into distinct stores (the adopting kernel releases
+  the GIL; each store has its own lock, so the rows are the same bits as on one thread).
 
 The in-place load's rules (threads, pages, locks), in one place, for every format: the
 engine's write lock is held from ``claim`` to the last ``adopt`` or ``abandon`` (a
@@ -32,6 +32,7 @@ stores may; the pages ahead are faulted in by the waiting thread, which changes 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from leanstate._checkpoint_files import interrupts_deferred
 from leanstate._checkpoint_format import SLICE_BYTES
 from leanstate._checkpoint_ranks import from_every_rank
 from leanstate.reference.checkpoint import CheckpointError
-from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import header_words
 
 
@@ -160,8 +161,7 @@ def apply_table(
     its pool; otherwise each slice goes through ``set_rows``, the store grown once
     first. ``progress(chunk, rows_applied)`` after each chunk (its manifest entry).
     """
-    in_place = getattr(store, "rows_in_place", None)
-    engine = in_place() if into_empty and keep is None and in_place is not None else None
+    engine = _in_place(store, into_empty, keep)
     if engine is not None:
         read_in_place(path, read, engine, slice_bytes, progress)
         return read.rows
@@ -187,10 +187,42 @@ def apply_table(
     return applied
 
 
-def apply_tables(steps: Sequence[tuple[SupportsRows, Callable[[], object]]]) -> list[object]:
-    """Run each ``(store, step)``'s step; on up to ``torch.get_num_threads()`` threads when
-    the stores are distinct (one store's steps must keep their order). Every step runs
-    to its end; the first failure, in ``steps`` order, is raised. Returns the results."""
-    if len({id(store) for store, _ in steps}) < len(steps):
-        return [step() for _, step in steps]
-    return in_parallel([step for _, step in steps], torch.get_num_threads())
+def _in_place(store: SupportsRows, into_empty: bool, keep) -> ReadsInPlace | None:
+    """The engine a table's rows are read into, when the load reads in place."""
+    rows_in_place = getattr(store, "rows_in_place", None)
+    return rows_in_place() if into_empty and keep is None and rows_in_place is not None else None
+
+
+def apply_tables(
+    path: Path,
+    tables: Sequence[tuple[TableRead, SupportsRows, Callable | None, Callable | None]],
+    *,
+    into_empty: bool,
+    slice_bytes: int = SLICE_BYTES,
+) -> list[int]:
+    """:func:`apply_table` of each ``(read, store, keep, progress)``; the rows each applied.
+    Every table's apply runs to its end; the first failure, in ``tables`` order, is raised.
+
+    Tables read in place into distinct stores apply on up to ``torch.get_num_threads()``
+    threads: the adopting kernel is serial and releases the GIL, and each store has its
+    own lock. Upserts run one table after another: ``set_rows`` already spreads over
+    the threads (numba's or torch's pool), and a second caller would only oversubscribe
+    the cores or, in numba's CUDA simulator, launch from a thread it cannot serve."""
+    stores = [store for _, store, _, _ in tables]
+    parallel = len({id(store) for store in stores}) == len(stores) and all(
+        _in_place(store, into_empty, keep) is not None for _, store, keep, _ in tables
+    )
+    calls = [
+        functools.partial(
+            apply_table,
+            path,
+            read,
+            store,
+            into_empty=into_empty,
+            keep=keep,
+            slice_bytes=slice_bytes,
+            progress=progress,
+        )
+        for read, store, keep, progress in tables
+    ]
+    return in_parallel(calls, torch.get_num_threads() if parallel else 1)

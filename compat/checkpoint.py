@@ -17,7 +17,6 @@ of one backend loads bit for bit into a store of any other, on any device.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -46,7 +45,7 @@ from leanstate._checkpoint_format import (
     table_entry,
     targets_of,
 )
-from leanstate._checkpoint_load import apply_table, apply_tables, load_all_or_nothing, verify_table
+from leanstate._checkpoint_load import apply_tables, load_all_or_nothing, verify_table
 from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
@@ -233,22 +232,12 @@ def _load(
             verify_table(path, read, slice_bytes)
 
     def apply(into_empty: bool) -> None:
-        steps = []
+        tables = []
         for target, read in plan:
             total = manifest["tables"][target.name]["rows"]
             report = None if progress is None else _reporter(progress, target.name, total)
-            step = functools.partial(
-                apply_table,
-                path,
-                read,
-                target.store,
-                into_empty=into_empty,
-                keep=keep,
-                slice_bytes=slice_bytes,
-                progress=report,
-            )
-            steps.append((target.store, step))
-        apply_tables(steps)
+            tables.append((read, target.store, keep, report))
+        apply_tables(path, tables, into_empty=into_empty, slice_bytes=slice_bytes)
         for target in views:  # a read-only view: its rows arrived with the whole rows
             target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
 

@@ -17,7 +17,6 @@ Example (on every rank)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 from collections.abc import Mapping
@@ -40,7 +39,6 @@ from leanstate._checkpoint_format import (
     targets_of,
 )
 from leanstate._checkpoint_load import (
-    apply_table,
     apply_tables,
     load_all_or_nothing,
     verify_table,
@@ -247,22 +245,14 @@ def load_sharded(
 
     def apply(into_empty: bool) -> None:
         stats.update(dict.fromkeys(stats, 0))  # the figures of the pass that applies
-        steps = []
+        applying = []
         for table, read in plan:
             # A version-1 file holds every rank's rows: apply the ones this rank owns.
             keep = None if world == 1 or read.bucketing is not None else _owned_by(table, rank, world)
-            step = functools.partial(
-                apply_table,
-                path,
-                read,
-                table.store,
-                into_empty=into_empty,
-                keep=keep,
-                slice_bytes=slice_bytes,
-                progress=count(read),
-            )
-            steps.append((table.store, step))
-        stats["rows_loaded"] = sum(apply_tables(steps))
+            applying.append((read, table.store, keep, count(read)))
+        stats["rows_loaded"] = sum(
+            apply_tables(path, applying, into_empty=into_empty, slice_bytes=slice_bytes)
+        )
 
     try:
         stores = [table.store for table in tables.values()]
