@@ -8,7 +8,7 @@ BENCH ?= .
 OLD ?= HEAD~1
 HISTORY := asv_bench/bench-history
 
-.PHONY: demo test test-cudasim test-main test-slow bench bench-compare bench-html lint install gpu-check
+.PHONY: demo test test-cudasim test-main test-slow bench bench-compare bench-html lint install gpu-check mutate
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -69,6 +69,18 @@ bench-html: $(STAMP)
 # On a CUDA machine: the gpu-marked tests and the GPU bench, into $$OUT (or ./gpu-check).
 gpu-check: $(STAMP)
 	$(BIN)/python -m leanstate gpu-check --out "$${OUT:-gpu-check}"
+
+# Mutation testing (not part of make test; hours for every group): make mutate GROUPS=zero,testing
+# MUTATE_ARGS="--minutes 90" (or --rerun-survivors, --report-only). cosmic-ray, because it
+# writes each mutant into the source file and runs the tests in a new process group: the gloo
+# ranks and subprocesses the tests start import this tree and see the mutant, numba compiles
+# it, and a hung mutant's processes are killed at the timeout (mutmut 3 mutates a copy of the
+# tree through trampolines that neither the child processes nor @njit code would run). The
+# groups and their test files: tests/mutation/groups.toml; the report: tests/MUTATION.md.
+GROUPS ?=
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	$(BIN)/python -m leanstate._tools.mutation --groups "$(GROUPS)" $(MUTATE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -331,3 +331,52 @@ def test_spec_worked_example_fails_the_checks_it_says():
         "test_random_operations_match_the_reference",
     }, out
     assert "keys() must ascend" in out and "4 failed, 15 passed" in out, out
+
+
+def _rows_pair(dtype=torch.float32):
+    store = KVStore(3, optimizer_state_dim=2, dtype=dtype, seed=4)
+    ids = torch.tensor([5, 9])
+    store.set(ids, torch.ones(2, 3, dtype=dtype))
+    rows = store.get_rows(ids)
+    return rows, rows.clone(), ids, store.layout
+
+
+def test_row_difference_names_the_first_field_that_differs():
+    from leanstate.testing import row_difference
+
+    mine, reference, ids, layout = _rows_pair()
+    assert row_difference(mine, reference, ids, layout) is None
+    assert row_difference(mine[:1], reference, ids, layout).startswith("rows of shape (1, ")
+    assert "torch.float64" in row_difference(mine.double(), reference, ids, layout)
+    header_words(mine)[1, 0] = 10
+    assert row_difference(mine, reference, ids, layout) == "id 9: header key 10, the reference 9"
+    saved = [int(v) for v in unpack_metadata(header_words(reference)[0, 1:2])]  # timestamp, count, used
+    for k, (field, value) in enumerate([("timestamp", saved[0] + 7), ("count", saved[1] + 2), ("used", 0)]):
+        changed = list(saved)
+        changed[k] = value
+        mine = reference.clone()
+        header_words(mine)[0, 1] = pack_metadata(*(torch.tensor([v]) for v in changed))
+        assert (
+            row_difference(mine, reference, ids, layout)
+            == f"id 5: header {field} {value}, the reference {saved[k]}"
+        )
+
+
+@pytest.mark.parametrize(
+    "column, part",
+    [
+        ("weight_offset", "weight column 0"),
+        ("pad", "weight padding column 3"),
+        ("state_offset", "state column 0"),
+    ],
+)
+def test_row_difference_names_the_column_of_a_weight_padding_or_state(column, part):
+    from leanstate.testing import row_difference
+
+    mine, reference, ids, layout = _rows_pair()
+    at = layout.weight_offset + layout.dim if column == "pad" else getattr(layout, column)
+    mine[1, at] = 2.5
+    assert (
+        row_difference(mine, reference, ids, layout)
+        == f"id 9: {part} is 2.5, the reference {reference[1, at].item()}"
+    )

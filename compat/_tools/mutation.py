@@ -1,0 +1,406 @@
+"""``make mutate``: mutation testing of the checkpoint core, DCP, ZeRO, the conformance kit
+and the engines, with cosmic-ray, and the report ``tests/MUTATION.md``.
+
+Why cosmic-ray: it writes each mutant into the source file on disk and runs a test
+command in a new process group. The tests start gloo ranks and subprocesses that import
+``leanstate`` from this tree (an editable install), so they run the mutant too; numba
+compiles the mutated source like any other; a hung mutant's whole process group is
+killed at the timeout. mutmut 3 instead rewrites every function of a module into a
+trampoline run from a copy of the tree: the child processes would import the unmutated
+tree, and ``@njit`` bodies cannot call its trampolines.
+
+Per group (``tests/mutation/groups.toml``: modules, the test files that cover them):
+
+1. the group's tests run once, unmutated, under coverage with one context per test
+   (``_mutation_context.py``), child processes included: which tests reach which line;
+2. cosmic-ray enumerates the mutants (``_mutation_ops.py``: comparison, boolean,
+   arithmetic, constant, removed statement or keyword argument; no string is mutated) into
+   its session database ``.mutation/<group>.sqlite``, kept while the modules are unchanged
+   so an interrupted run resumes;
+3. each mutant runs ``pytest -x -q -p no:randomly`` under ``nice -n 19`` on the tests that
+   reach its line; a line run at import (outside a function body) or reached by none (a
+   numba kernel's body) gets all of the group's test files;
+4. the outcomes go to ``tests/mutation/results/<group>.json`` (committed) and the report
+   is rewritten from all groups' results and ``tests/mutation/survivors.toml`` (why a
+   survivor is equivalent).
+
+``--rerun-survivors`` runs a group's survivors again (after a test was added for them):
+the report then names the test that kills each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "tests" / "mutation" / "groups.toml"
+SURVIVORS = ROOT / "tests" / "mutation" / "survivors.toml"
+RESULTS = ROOT / "tests" / "mutation" / "results"
+REPORT = ROOT / "tests" / "MUTATION.md"
+WORK = ROOT / ".mutation"
+PYTEST = ["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider"]
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def _groups() -> dict[str, dict]:
+    return tomllib.loads(CONFIG.read_text())["groups"]
+
+
+def _digest(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+# -- which tests reach which line -------------------------------------------------------
+
+
+def _coverage_map(name: str, group: dict) -> dict:
+    """The group's tests run once unmutated under coverage; ``{module: {line: [node ids]}}``
+    and the run's wall time, cached until the modules or test files change."""
+    key = _digest([*group["modules"], *group["tests"], "compat/_tools/_mutation_context.py"])
+    cache = WORK / f"{name}.baseline.json"
+    if cache.exists() and json.loads(cache.read_text())["key"] == key:
+        return json.loads(cache.read_text())
+    for old in WORK.glob(f"{name}.cov*"):
+        old.unlink()
+    rcfile = WORK / f"{name}.coveragerc"
+    include = ",".join(str(ROOT / m) for m in group["modules"])
+    rcfile.write_text(
+        f"[run]\ndata_file = {WORK / (name + '.cov')}\nparallel = true\ninclude = {include}\npatch = _exit\n"
+    )
+    command = [sys.executable, "-m", "coverage", "run", f"--rcfile={rcfile}", *PYTEST]
+    command += ["-p", "leanstate._tools._mutation_context", *group["tests"]]
+    print(f"[{name}] baseline: the tests unmutated, under coverage", flush=True)
+    start = time.monotonic()
+    durations = WORK / f"{name}.durations.json"
+    env = {**os.environ, "LEANSTATE_MUTATION_DURATIONS": str(durations)}
+    run = subprocess.run(["nice", "-n", "19", *command], cwd=ROOT, capture_output=True, text=True, env=env)
+    seconds = time.monotonic() - start
+    if run.returncode != 0:
+        sys.exit(f"[{name}] the group's tests fail unmutated:\n{run.stdout[-3000:]}{run.stderr[-2000:]}")
+    subprocess.run(
+        [sys.executable, "-m", "coverage", "combine", f"--rcfile={rcfile}", "-q"], cwd=ROOT, check=True
+    )
+    from coverage import CoverageData
+
+    data = CoverageData(basename=str(WORK / f"{name}.cov"))
+    data.read()
+    lines: dict[str, dict[int, list[str]]] = {}
+    for module in group["modules"]:
+        contexts = data.contexts_by_lineno(str(ROOT / module))
+        lines[module] = {str(line): sorted(c for c in ids if c) for line, ids in contexts.items()}
+    baseline = {
+        "key": key,
+        "seconds": round(seconds, 1),
+        "lines": lines,
+        "durations": json.loads(durations.read_text()),
+    }
+    cache.write_text(json.dumps(baseline))
+    return baseline
+
+
+def _in_function_body(tree, position: tuple[int, int]) -> bool:
+    """Whether ``position`` is in a function's body (not run at import)."""
+    node = tree.get_leaf_for_position(position, include_prefixes=True)
+    while node is not None and node.parent is not None:
+        if node.parent.type == "funcdef" and node is node.parent.children[-1]:
+            return True
+        node = node.parent
+    return False
+
+
+# -- running the mutants ----------------------------------------------------------------
+
+
+def _open_session(name: str, group: dict):
+    """cosmic-ray's session database of the group, enumerated anew when a module changed."""
+    import cosmic_ray.plugins
+    from cosmic_ray.commands import init
+    from cosmic_ray.work_db import WorkDB
+
+    from leanstate._tools._mutation_ops import OperatorProvider
+
+    cosmic_ray.plugins.OPERATOR_PROVIDERS.clear()
+    cosmic_ray.plugins.OPERATOR_PROVIDERS["leanstate"] = OperatorProvider()
+    key = _digest([*group["modules"], "compat/_tools/_mutation_ops.py"])
+    stamp = WORK / f"{name}.modules"
+    db = WorkDB(str(WORK / f"{name}.sqlite"), WorkDB.Mode.create)
+    if not stamp.exists() or stamp.read_text() != key:
+        init([Path(m) for m in group["modules"]], db, {})
+        stamp.write_text(key)
+    return db
+
+
+def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -> None:
+    import parso
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_item import TestOutcome
+
+    dirty = _git("status", "--porcelain", "--", *group["modules"])
+    if dirty:
+        sys.exit(
+            f"[{name}] uncommitted changes in the modules (a mutant left behind? `git diff` shows it):\n{dirty}"
+        )
+    WORK.mkdir(exist_ok=True)
+    os.environ.update(group.get("env", {}))  # the tests' processes inherit it
+    baseline = _coverage_map(name, group)
+    timeout = float(group.get("timeout", max(60.0, 2 * baseline["seconds"])))
+    db = _open_session(name, group)
+    try:
+        trees = {m: parso.parse((ROOT / m).read_text()) for m in group["modules"]}
+
+        def order(item) -> tuple:  # import-time mutants last: each runs every test of its module
+            m = item.mutations[0]
+            return (
+                not _in_function_body(trees[str(m.module_path)], m.start_pos),
+                str(m.module_path),
+                m.start_pos,
+            )
+
+        if rerun_survivors:  # their results are overwritten
+            todo = [w for w, r in db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+        else:
+            todo = list(db.pending_work_items)
+        pending = sorted(todo, key=order)
+        print(
+            f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
+        )
+        for done, item in enumerate(pending):
+            if time.monotonic() > deadline:
+                print(
+                    f"[{name}] out of time: {len(pending) - done} mutants left for the next run", flush=True
+                )
+                break
+            mutation = item.mutations[0]
+            module = str(mutation.module_path)
+            lines = baseline["lines"][module]
+            tests: set[str] = set()
+            if _in_function_body(trees[module], mutation.start_pos):
+                for line in range(mutation.start_pos[0], mutation.end_pos[0] + 1):
+                    tests.update(lines.get(str(line), ()))
+            else:  # run at import: what it defines reaches only the tests that run the module
+                tests.update(t for ids in lines.values() for t in ids)
+            # fastest first: -x stops at the first failure
+            targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or group["tests"]
+            command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *targets])
+            result = mutate_and_test(item.mutations, command, timeout)
+            db.set_result(item.job_id, result)
+            print(f"[{name}] {done + 1}/{len(pending)} {_describe(mutation)}: {_outcome(result)}", flush=True)
+    finally:  # also when stopped: what ran is reported, the rest as not run
+        _export(name, group, db, baseline)
+        db.close()
+
+
+def _stop(*_) -> None:
+    """SIGTERM: end the running test command's process group (its own session, so the
+    signal did not reach it) and leave; cosmic-ray puts the mutated file back on the way out."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit("stopped: what ran is kept, the rest is left for the next run")
+
+
+def _describe(mutation) -> str:
+    return f"{mutation.module_path}:{mutation.start_pos[0]} {mutation.operator_name.split('/')[-1]}"
+
+
+def _outcome(result) -> str:
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    if result.worker_outcome != WorkerOutcome.NORMAL:
+        return "incompetent"  # no test ran: the mutant could not be applied
+    if result.test_outcome == TestOutcome.SURVIVED:
+        return "survived"
+    return "timeout" if result.output == "timeout" else "killed"
+
+
+def _diff_lines(diff: str) -> list[str]:
+    return [
+        line for line in (diff or "").splitlines() if line[:1] in "+-" and not line.startswith(("---", "+++"))
+    ]
+
+
+def _export(name: str, group: dict, db, baseline: dict) -> None:
+    """The session's outcomes into ``tests/mutation/results/<group>.json``."""
+    path = RESULTS / f"{name}.json"
+    before = {m["id"]: m for m in json.loads(path.read_text())["mutants"]} if path.exists() else {}
+    results = dict(db.results)
+    mutants, seen = [], {}
+    items = sorted(db.work_items, key=lambda w: (str(w.mutations[0].module_path), w.mutations[0].start_pos))
+    for item in items:
+        mutation = item.mutations[0]
+        base = f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name.split('/')[-1]}"
+        seen[base] = seen.get(base, -1) + 1
+        entry = {"id": base if not seen[base] else f"{base}#{seen[base]}"}
+        result = results.get(item.job_id)
+        entry["outcome"] = "pending" if result is None else _outcome(result)
+        if entry["outcome"] == "killed":
+            match = _FAILED.search(result.output or "")
+            entry["killed_by"] = match.group(1) if match else "(collection or import)"
+        if result is not None and (entry["outcome"] == "survived" or before.get(entry["id"], {}).get("diff")):
+            entry["diff"] = _diff_lines(result.diff)  # a survivor, now or once
+        mutants.append(entry)
+    record = {
+        "group": name,
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "modules": _digest(group["modules"]),
+        "tests": group["tests"],
+        "baseline_seconds": baseline["seconds"],
+        "mutants": mutants,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def _count(mutants: list[dict]) -> dict[str, int]:
+    counts = {k: 0 for k in ("killed", "timeout", "survived", "incompetent", "pending")}
+    for m in mutants:
+        counts[m["outcome"]] += 1
+    return counts
+
+
+def _rate(counts: dict[str, int]) -> str:
+    run = counts["killed"] + counts["timeout"] + counts["survived"]
+    return f"{100 * (counts['killed'] + counts['timeout']) / run:.1f}%" if run else "-"
+
+
+def write_report() -> Path:
+    """Rewrite ``tests/MUTATION.md`` from the groups' results and the survivors' notes."""
+    groups = _groups()
+    notes = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
+    records = {
+        n: json.loads((RESULTS / f"{n}.json").read_text()) for n in groups if (RESULTS / f"{n}.json").exists()
+    }
+    out = [
+        "# Mutation testing",
+        "",
+        "Written by `make mutate` (`compat/_tools/mutation.py`) from cosmic-ray's results in",
+        "`tests/mutation/results/`; do not edit by hand. A survivor's reason for being equivalent",
+        "is kept in `tests/mutation/survivors.toml`. `make mutate GROUPS=name` runs one group;",
+        "rerun a group whenever its modules change (its row then reads *stale*).",
+        "",
+        "Operators: comparison (`==`/`!=`, `<`/`<=`, `>`/`>=`, `is`/`is not`), boolean (`and`/`or`,",
+        "`True`/`False`, an added or removed `not`), arithmetic (`+`/`-`, `*`/`/`, `//`, `%`, `**`,",
+        "shifts, bit operators, unary minus removed), constant (a number one larger), removed",
+        "statement (a call, `raise`, `assert`, `del` or augmented assignment replaced by `pass`),",
+        "removed keyword argument, loop (`break`/`continue` swapped, a `for` over nothing). No",
+        "string is mutated (docstrings, error messages), nor anything in an f-string or an",
+        "annotation. Each mutant runs the tests that reach its line (`-x -q -p no:randomly`,",
+        "`nice -n 19`, a timeout of twice the group's coverage run); a timeout counts as killed.",
+        "Kill rate: (killed + timeout) / (killed + timeout + survived), over the mutants run; a",
+        "group cut short by `--minutes` reads *partial* and keeps the rest for its next run.",
+        "",
+        "The tool is cosmic-ray: it writes each mutant into the source file and runs the tests in",
+        "a new process group, so the gloo ranks and subprocesses the tests start import the",
+        "mutant too, numba compiles it like any source, and a hung mutant's processes are killed",
+        "at the timeout.",
+        "",
+        "| family | group | modules | mutants | killed | timeout | survived | not run | kill rate | run on |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    families: dict[str, list[dict]] = {}
+    for name, group in groups.items():
+        modules = ", ".join(f"`{m}`" for m in group["modules"])
+        record = records.get(name)
+        if record is None:
+            out.append(f"| {group['family']} | {name} | {modules} | - | - | - | - | - | not run | - |")
+            continue
+        families.setdefault(group["family"], []).extend(record["mutants"])
+        c = _count(record["mutants"])
+        stale = " (stale: modules changed since)" if record["modules"] != _digest(group["modules"]) else ""
+        stale += " (partial)" if c["pending"] else ""
+        out.append(
+            f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | {c['killed']} | {c['timeout']}"
+            f" | {c['survived']} | {c['pending'] + c['incompetent']} | {_rate(c)} | {record['commit']},"
+            f" {record['date']}{stale} |"
+        )
+    out += ["", "Per family (the groups run so far):", ""]
+    for family, mutants in families.items():
+        c = _count(mutants)
+        names = [n for n, g in groups.items() if g["family"] == family]
+        missing = [n for n in names if n not in records]
+        out.append(
+            f"- {family}: {len(mutants) - c['pending']} of {len(mutants)} mutants run, kill rate {_rate(c)}"
+            + (f"; not run yet: {', '.join(missing)}" if missing else "")
+        )
+    for name, record in records.items():
+        survivors = [m for m in record["mutants"] if m.get("diff")]
+        if not survivors:
+            continue
+        out += ["", f"## {name}: survivors", "", f"Tests: {', '.join(f'`{t}`' for t in record['tests'])}", ""]
+        for m in survivors:
+            change = " / ".join(f"`{line}`" for line in m["diff"])
+            if m["outcome"] in ("killed", "timeout"):
+                verdict = f"now killed by `{m.get('killed_by', 'a timeout')}`"
+            elif m["id"] in notes:
+                verdict = f"equivalent: {notes[m['id']]['why']}"
+            else:
+                verdict = "**not yet explained**"
+            out.append(f"- `{m['id']}` {change}: {verdict}")
+    REPORT.write_text("\n".join(out) + "\n")
+    return REPORT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m leanstate._tools.mutation [--groups a,b] [--minutes N] ...``"""
+    groups = _groups()
+    parser = argparse.ArgumentParser(prog="make mutate", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--groups", default="", help=f"comma-separated, of: {', '.join(groups)} (default: all)"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=0, help="start no mutant after this long (0: no limit)"
+    )
+    parser.add_argument(
+        "--rerun-survivors", action="store_true", help="run only the groups' survivors, again"
+    )
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from the results")
+    args = parser.parse_args(argv)
+    chosen = [g for g in args.groups.split(",") if g] or list(groups)
+    unknown = [g for g in chosen if g not in groups]
+    if unknown:
+        parser.error(f"--groups: unknown {', '.join(unknown)}; the groups are {', '.join(groups)}")
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
+    os.chdir(ROOT)
+    # a stopped run puts the mutated file back (cosmic-ray restores it on the way out)
+    signal.signal(signal.SIGTERM, _stop)
+    if not args.report_only:
+        for name in chosen:
+            if time.monotonic() > deadline:
+                print(f"[{name}] not started: out of time", flush=True)
+                continue
+            _run_group(name, groups[name], deadline, args.rerun_survivors)
+            write_report()
+    print(f"report: {write_report().relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""What version 2 and DCP need of ``torch.distributed`` (``leanstate._checkpoint_ranks``), on
+a subgroup of a larger world: the group's own ranks, its rank 0 and its members only, never
+the default group's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from leanstate._checkpoint_ranks import all_true, broadcast, from_every_rank, group_rank, staged_by_rank_0
+from leanstate.reference.checkpoint import CheckpointError
+from tests.harness import run_world
+
+
+def on_a_subgroup(rank: int, world: int, folder: str) -> None:
+    sub = dist.new_group([1, 2])  # every rank takes part in creating it
+    if rank == 0:
+        return
+    assert group_rank(sub) == (rank - 1, 2)
+    assert broadcast(f"from {rank}", sub) == "from 1"  # the subgroup's rank 0 is global rank 1
+    assert all_true(True, sub) and not all_true(rank == 1, sub)
+    assert from_every_rank(rank * 10, sub) == [10, 20]
+    target = Path(folder, "ckpt")
+    with staged_by_rank_0(target, "save_checkpoint", sub, lambda: target) as staging:
+        assert staging.parent == target.parent and staging.exists()
+        seen = from_every_rank(str(staging), sub)
+    assert seen[0] == seen[1]
+
+    def refuse() -> Path:
+        raise ValueError("no room")
+
+    with pytest.raises(CheckpointError, match=r"rank 0: ValueError: no room; .*ckpt is unchanged"):
+        with staged_by_rank_0(target, "save_checkpoint", sub, refuse):
+            pass
+
+
+def on_the_default_group(rank: int, world: int, folder: str) -> None:
+    assert group_rank(None) == (rank, world)
+    assert broadcast(rank + 5, None) == 5
+    assert all_true(True, None) and not all_true(rank != 2, None)
+    assert from_every_rank(rank, None) == [rank]  # no group: this process only
+
+
+SCENARIOS = {"subgroup": on_a_subgroup, "default": on_the_default_group}
+BY_WORLD = {3: list(SCENARIOS)}
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory):
+    return run_world(3, tmp_path_factory.mktemp("ranks"), __name__)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_on_three_ranks(outcome, scenario):
+    failures = outcome[scenario]
+    assert not failures, "\n".join(failures)
+
+
+def test_one_process_without_a_group_is_rank_0_of_1():
+    assert group_rank(None) == (0, 1)
+    assert broadcast("x", None) == "x" and all_true(False, None) is False
