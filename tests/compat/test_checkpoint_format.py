@@ -239,3 +239,26 @@ def test_an_id_range_must_be_a_pair_in_order(saved):
 def test_a_store_of_another_optimizer_is_named_by_its_state_size(saved, state, named):
     with pytest.raises(CheckpointError, match=f"saved 2 state values per row, this store {named}"):
         load_checkpoint(saved, {"t": KVStore(6, optimizer_state_dim=state)})
+
+
+def test_a_width_that_its_own_dim_state_and_dtype_do_not_give_is_refused(tmp_path):
+    # version 2's manifest states each table's layout without the derived-field check of
+    # version 1's schema: check_layout is what catches it there
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        save_checkpoint(
+            tmp_path / "ck", {"t": BucketedTable(filled(), 4, None)}, process_group=dist.group.WORLD
+        )
+        manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+        manifest["tables"]["t"]["width"] += 1
+        (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
+        dst = KVStore(6, optimizer_state_dim=2)
+        with pytest.raises(CheckpointError, match=r"width \d+ does not match its own dim, state and dtype"):
+            load_checkpoint(
+                tmp_path / "ck", {"t": BucketedTable(dst, 4, None)}, process_group=dist.group.WORLD
+            )
+        assert len(dst.keys()) == 0
+    finally:
+        dist.destroy_process_group()

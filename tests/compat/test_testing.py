@@ -8,6 +8,7 @@ no false alarm on the correct store.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 import leanstate
 from leanstate import KVStore
@@ -380,3 +382,66 @@ def test_row_difference_names_the_column_of_a_weight_padding_or_state(column, pa
         row_difference(mine, reference, ids, layout)
         == f"id 9: {part} is 2.5, the reference {reference[1, at].item()}"
     )
+
+
+class _OffByOneInIdThree(KVStore):
+    """A store whose ``get`` returns 64 in one cell of id 3 (the kit's values are quarters in [-2, 2])."""
+
+    def get(self, ids, *args, **kwargs):
+        values = super().get(ids, *args, **kwargs)
+        if values.shape[1] > 1:
+            values[ids == 3, 1] = 64
+        return values
+
+
+def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference():
+    def make_store(dim, **options):
+        return _OffByOneInIdThree(dim, backend="reference", **options)
+
+    with pytest.raises(AssertionError) as failure:
+        # not shrunk: the first failing get, id 3 wherever it falls among its ids
+        run_store_machine(
+            make_store,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=20,
+                deadline=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                database=None,
+            ),
+        )
+    message = str(failure.value)
+    found = re.search(r"\) differs: id 3, column 1: (\S+), the reference (\S+)", message)
+    assert found is not None, message
+    assert float(found.group(1)) == 64 != float(found.group(2)), message
+    assert "get(tensor([" in message, message  # the operations show short id tensors by value
+    shown = int(re.search(r"after \(the last (\d+) operations\)", message).group(1))
+    listed = message.split("operations):\n")[1].splitlines()
+    assert len(listed) == shown and listed[-1].startswith("  get(tensor(["), (
+        message
+    )  # the last ones, to the failing get
+
+
+def test_a_shown_operation_lists_up_to_24_values_and_a_longer_tensors_shape():
+    from leanstate.testing import _shown
+
+    assert _shown(torch.arange(24)) == f"tensor({list(range(24))})"
+    assert _shown(torch.arange(25)) == "tensor of shape (25,)"
+    assert _shown(7) == "7"
+
+
+def test_the_first_differing_cell_is_told_from_a_shape_or_dtype_difference():
+    from leanstate.testing import _first_cell
+
+    base = torch.zeros(2, 3)
+    assert (
+        _first_cell(base, torch.zeros(3, 3), [4, 5])
+        == "shape (3, 3) torch.float32, the reference (2, 3) torch.float32"
+    )
+    assert (
+        _first_cell(base, base.double(), [4, 5])
+        == "shape (2, 3) torch.float64, the reference (2, 3) torch.float32"
+    )
+    assert _first_cell(base, base.clone(), [4, 5]) == "no difference"
+    assert _first_cell(torch.zeros(2), torch.tensor([0.0, 1.0]), [4, 5]) == "id 5: 1.0, the reference 0.0"
