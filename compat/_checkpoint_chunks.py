@@ -19,22 +19,26 @@ engine index them slice by slice: no staging copy, the read on its own thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
+from leanstate._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
 from leanstate._checkpoint_files import open_regular
 from leanstate._checkpoint_format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
 from leanstate.reference.checkpoint import CheckpointError
-from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharding import bucket_of
+
+if TYPE_CHECKING:
+    import numpy
 
 # -- writing ------------------------------------------------------------------------------
 
@@ -103,52 +107,40 @@ class ChunkFile:
         self.chunks: list[dict] = []
         self.offset = 0
         self._out = open(file, "wb")
-        self._writer = ThreadPoolExecutor(max_workers=1) if pipelined else None
-        self._pending: tuple[Future, torch.Tensor, dict] | None = None
+        self._writer = Behind("leanstate-checkpoint-writer") if pipelined else None
 
-    def _write(self, rows: torch.Tensor) -> int:
+    def _write(self, rows: torch.Tensor, fields: dict) -> None:
         data = row_bytes_of(rows)
         self._out.write(data)
-        return new_chunk_checksum(data)
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            future, rows, fields = self._pending
-            self._pending = None
-            self._record(rows, future.result(), fields)
-
-    def _record(self, rows: torch.Tensor, crc: int, fields: dict) -> None:
-        entry = chunk_entry(rows, self.offset, crc)
+        entry = chunk_entry(rows, self.offset, new_chunk_checksum(data))
         entry.update(fields)
         self.chunks.append(entry)
         self.offset += rows.numel() * rows.element_size()
 
     def append(self, rows: torch.Tensor, **fields: object) -> None:
         """Write ``rows`` (id-ascending, on the host) as the next chunk; ``fields`` join its entry."""
-        self._settle()
         if len(rows) == 0:
             return
         if self._writer is None:
-            self._record(rows, self._write(rows), fields)
+            self._write(rows, fields)
         else:
-            self._pending = (self._writer.submit(self._write, rows), rows, fields)
+            self._writer.submit(self._write, rows, fields)
 
     def close(self) -> list[dict]:
         """Finish, fsync and close the file; the chunks' manifest entries."""
         try:
-            self._settle()
+            if self._writer is not None:
+                self._writer.settle()
             self._out.flush()
             os.fsync(self._out.fileno())
         finally:
-            if self._writer is not None:
-                self._writer.shutdown()
-            self._out.close()
+            self.abort()
         return self.chunks
 
     def abort(self) -> None:
         """Close without finishing (the caller removes the staging directory)."""
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            self._writer.close()
         self._out.close()
 
 
@@ -189,24 +181,104 @@ def write_store(
 # -- reading ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FileChunks:
+    """The chunks one load reads of one data file: ``(index, manifest entry)`` pairs."""
+
+    file: str
+    bytes: int
+    chunks: list[tuple[int, dict]]
+
+
+@dataclass(frozen=True)
+class TableRead:
+    """What one load reads of one saved table: its files' chosen chunks, and what every
+    chunk is checked against (row size, checksum, and the bucketing that a chunk naming
+    its ``bucket`` must keep to)."""
+
+    name: str
+    row_bytes: int
+    checksum: str
+    files: list[FileChunks]
+    bucketing: tuple[int, int | None] | None = None
+
+    @classmethod
+    def of_v1(cls, name: str, table: dict, chunks: list[tuple[int, dict]]) -> TableRead:
+        """A version-1 table: its one file."""
+        return cls(
+            name, table["row_bytes"], table["checksum"], [FileChunks(table["file"], table["bytes"], chunks)]
+        )
+
+    @property
+    def rows(self) -> int:
+        return sum(chunk["rows"] for part in self.files for _, chunk in part.chunks)
+
+    @property
+    def chunk_count(self) -> int:
+        return sum(len(part.chunks) for part in self.files)
+
+
+def in_saving_order(
+    keys: torch.Tensor | numpy.ndarray, bucketing: tuple[int, int | None] | list | None = None
+) -> bool:
+    """Whether ``keys`` (on the host) strictly ascend, or with ``bucketing`` ascend by
+    (bucket, id): the order every format saves rows in.
+
+    Compared in numpy, on this thread: a torch comparison of a slice's keys runs on
+    torch's OpenMP pool, whose barriers cost a hundred times the work beside a busy core
+    (measured: 10 ms for 40,000 keys)."""
+    ids = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    ascending = ids[1:] > ids[:-1]
+    if bucketing is None:
+        return bool(ascending.all())
+    buckets = bucket_of(
+        torch.as_tensor(ids), total_num_buckets=bucketing[0], bucket_size=bucketing[1]
+    ).numpy()
+    step = buckets[1:] - buckets[:-1]
+    return bool(((step > 0) | ((step == 0) & ascending)).all())
+
+
+def in_bucket(keys: numpy.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
+    """Whether every key (all >= 0) lies in ``bucket``: ``bucket_of``'s rule, in numpy, because
+    a version-2 chunk holds one bucket's rows, a few hundred, and four torch calls a chunk
+    cost more than the load's copy of them."""
+    import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
+
+    buckets, size = bucketing
+    of = keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
+    return bool((of == bucket).all())
+
+
 class _ChunkCheck:
     """What a chunk's slices must show, slice by slice: strictly ascending non-negative
-    ids; then, after the last, the checksum and the manifest's id range."""
+    ids, inside the chunk's bucket when it names one; then, after the last, the checksum
+    and the manifest's id range."""
 
-    def __init__(self, where: str, chunk: dict, row_bytes: int, checksum: str) -> None:
-        self.where, self.chunk, self.row_bytes, self.checksum = where, chunk, row_bytes, checksum
-        self.update = CHECKSUMS[checksum]
+    def __init__(self, file: Path, index: int, chunk: dict, read: TableRead) -> None:
+        self.file, self.index, self.chunk, self.read = file, index, chunk, read
+        self.row_bytes, self.checksum = read.row_bytes, read.checksum
+        self.bucketing = read.bucketing if "bucket" in chunk else None
+        self.update = CHECKSUMS[read.checksum]
         self.crc, self.first_key, self.last_key = 0, None, -1
+
+    @property
+    def where(self) -> str:
+        """The chunk, as an error names it (formatted only for an error)."""
+        return describe_chunk(self.read.name, self.file, self.index, self.chunk, self.row_bytes)
 
     def add(self, view: memoryview, crc: int | None = None) -> None:
         """One more slice; ``crc``: the chunk's running checksum through it, when the
         reader already computed it (while the bytes were still in cache)."""
+        import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
+
         self.crc = self.update(view, self.crc) if crc is None else crc
-        keys = torch.frombuffer(view, dtype=torch.int64).view(-1, self.row_bytes // 8)[:, 0]
-        if bool((keys[1:] <= keys[:-1]).any()) or int(keys[0]) <= self.last_key:
+        keys = np.frombuffer(view, dtype=np.int64)[:: self.row_bytes // 8]
+        if not in_saving_order(keys) or int(keys[0]) <= self.last_key:
             raise CheckpointError(
                 f"{self.where}: its row ids do not ascend (they must strictly ascend); the file is corrupt"
             )
+        if self.bucketing is not None and not in_bucket(keys, self.bucketing, self.chunk["bucket"]):
+            raise CheckpointError(f"{self.where}: holds ids outside bucket {self.chunk['bucket']}")
         self.first_key = int(keys[0]) if self.first_key is None else self.first_key
         self.last_key = int(keys[-1])
 
@@ -223,19 +295,17 @@ class _ChunkCheck:
             )
 
 
-def chunk_slices(
-    f, where: str, chunk: dict, row_bytes: int, checksum: str, buffer: bytearray | Callable[[], bytearray]
-) -> Iterator[memoryview]:
-    """Chunk ``chunk`` of the open file ``f`` in slices of whole rows, each read into
-    ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
+def chunk_slices(f, check: _ChunkCheck, buffer: bytearray | Callable[[], bytearray]) -> Iterator[memoryview]:
+    """The chunk ``check`` checks, of the open file ``f``, in slices of whole rows, each read
+    into ``buffer`` (or into the buffer ``buffer()`` hands out for it) and valid until that
     buffer is reused.
 
     Ids must strictly ascend across the chunk's slices; after the last slice the
     checksum and the manifest's ``min_id``/``max_id`` are checked. The first problem
-    raises :class:`CheckpointError` naming ``where``.
+    raises :class:`CheckpointError` naming the chunk.
     """
     next_buffer = buffer if callable(buffer) else lambda: buffer
-    check = _ChunkCheck(where, chunk, row_bytes, checksum)
+    row_bytes, chunk = check.row_bytes, check.chunk
     f.seek(chunk["offset"])
     first = 0
     while first < chunk["rows"]:
@@ -243,7 +313,7 @@ def chunk_slices(
         rows = min(max(1, len(space) // row_bytes), chunk["rows"] - first)
         view = memoryview(space)[: rows * row_bytes]
         if f.readinto(view) != len(view):
-            raise CheckpointError(f"{where} is truncated")
+            raise CheckpointError(f"{check.where} is truncated")
         check.add(view)
         first += rows
         yield view
@@ -272,186 +342,110 @@ def describe_chunk(name: str, file: Path, index: int, chunk: dict, row_bytes: in
 
 
 def read_chunks(
-    path: Path,
-    name: str,
-    table: dict,
-    chunks: list[tuple[int, dict]],
-    slice_bytes: int,
-    *,
-    ahead: bool = False,
-) -> Iterator[tuple[int, memoryview | None]]:
-    """Yield (chunk index, bytes) for the listed chunks of a version-1 table, in slices of
-    whole rows of at most ``slice_bytes``; after a chunk's last slice, ``(index, None)``
-    marks it verified. Each slice is valid until the next is asked for.
+    path: Path, read: TableRead, slice_bytes: int, *, ahead: bool = False
+) -> Iterator[tuple[int, dict, memoryview | None]]:
+    """Yield (chunk index, chunk entry, bytes) for the chunks ``read`` lists, file after
+    file, in slices of whole rows of at most ``slice_bytes``; after a chunk's last slice,
+    ``(index, chunk, None)`` marks it verified. Each slice is valid until the next is asked for.
 
     ``ahead``: a reader thread reads and checks the next slice while the caller holds
     this one (two slice buffers; a problem is raised where it stands in the file, after
     the slices before it). Stopping early stops the thread.
     """
-    row_bytes = table["row_bytes"]
+    row_bytes = read.row_bytes
     slice_rows = max(1, slice_bytes // row_bytes)
-    size = min(slice_rows, max((c["rows"] for _, c in chunks), default=0)) * row_bytes
+    largest = max((c["rows"] for f in read.files for _, c in f.chunks), default=0)
+    size = min(slice_rows, largest) * row_bytes
 
-    def produce(next_buffer: Callable[[], bytearray]) -> Iterator[tuple[int, memoryview | None]]:
-        with open_data_file(path, name, table["file"], table["bytes"]) as f:
-            for index, chunk in chunks:
-                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
-                for view in chunk_slices(f, where, chunk, row_bytes, table["checksum"], next_buffer):
-                    yield index, view
-                yield index, None
+    def produce(next_buffer: Callable[[], bytearray]) -> Iterator[tuple[int, dict, memoryview | None]]:
+        for part in read.files:
+            with open_data_file(path, read.name, part.file, part.bytes) as f:
+                for index, chunk in part.chunks:
+                    check = _ChunkCheck(path / part.file, index, chunk, read)
+                    for view in chunk_slices(f, check, next_buffer):
+                        yield index, chunk, view
+                    yield index, chunk, None
 
     if not ahead:
         buffer = bytearray(size)
         yield from produce(lambda: buffer)
         return
-    yield from _one_ahead(produce, [bytearray(size) for _ in range(2)])
+    yield from one_buffer_ahead(produce, [bytearray(size) for _ in range(2)])
 
 
-class _Stopped(Exception):
-    """The caller stopped reading: the reader thread ends quietly."""
-
-
-_DONE = object()
-
-
-def _on_a_thread(
-    produce: Callable[[], Iterator], stop: threading.Event, idle: Callable[[], bool] | None = None
-) -> Iterator:
-    """``produce()``'s items, produced on a thread and yielded here in order; what the
-    thread raises is raised here, after the items before it. While no item is ready,
-    ``idle()`` runs here (until it returns False) before waiting. Leaving early sets
-    ``stop`` (``produce`` checks it) and waits for the thread."""
-    ready: queue.Queue = queue.Queue()
-
-    def run() -> None:
-        try:
-            for item in produce():
-                ready.put(item)
-        except _Stopped:
-            return
-        except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
-            ready.put(error)
-            return
-        ready.put(_DONE)
-
-    thread = threading.Thread(target=run, name="leanstate-checkpoint-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            try:
-                item = ready.get_nowait()
-            except queue.Empty:
-                if idle is not None and idle():
-                    continue
-                item = ready.get()
-            if item is _DONE:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _one_ahead(produce, buffers: list[bytearray]) -> Iterator:
-    """``produce(next_buffer)``'s items from a thread that fills one buffer ahead of the
-    caller: the caller hands back the buffer of the item it held when it asks for the next."""
-    free: queue.Queue = queue.Queue()
-    for buffer in buffers:
-        free.put(buffer)
-    stop = threading.Event()
-    filled: list[bytearray] = []  # the thread's buffers, in the order it filled them
-
-    def next_buffer() -> bytearray:
-        buffer = free.get()
-        if stop.is_set():
-            raise _Stopped
-        filled.append(buffer)
-        return buffer
-
-    def tagged() -> Iterator:
-        for index, view in produce(next_buffer):
-            yield index, view, filled.pop(0) if view is not None else None
-
-    items = _on_a_thread(tagged, stop)
-    held = None
-    try:
-        for index, view, buffer in items:
-            if held is not None:
-                free.put(held)
-            held = buffer
-            yield index, view
-    finally:
-        stop.set()
-        free.put(bytearray(0))  # wakes a thread waiting for a buffer: it sees ``stop`` and ends
-        items.close()  # then waits for the thread
-
-
-@runtime_checkable
-class ReadsInPlace(Protocol):
-    """An engine whose pool a checkpoint load reads into directly (the numba engine):
-    blocks claimed, written through ``rows``, then adopted by their header keys (see
-    ``spec/backends.md``). Called with ``writing()`` held."""
-
-    rows: torch.Tensor
-
-    def writing(self): ...
-
-    def claim(self, rows: int) -> int: ...
-
-    def adopt(self, first: int, count: int) -> None: ...
-
-    def abandon(self, first: int, count: int) -> None: ...
-
-    def fault_in(self, first: int, count: int) -> None: ...
+def _slices_of(
+    chunks: list[tuple[int, dict]], row_bytes: int, slice_rows: int
+) -> Iterator[list[tuple[int, dict, int, int]]]:
+    """The slices one file's ``chunks`` are read in: at most ``slice_rows`` rows of bytes
+    that follow each other in the file, each a list of pieces ``(index, chunk, first row,
+    rows)``. A large chunk spans slices; small chunks next to each other share one (a
+    version-2 file holds a chunk per bucket, often a few hundred rows: one read, one
+    hand-over and one adopt for many)."""
+    pieces: list[tuple[int, dict, int, int]] = []
+    rows, end = 0, None
+    for index, chunk in chunks:
+        start = 0
+        while start < chunk["rows"]:
+            offset = chunk["offset"] + start * row_bytes
+            if pieces and (offset != end or rows == slice_rows):
+                yield pieces
+                pieces, rows = [], 0
+            count = min(chunk["rows"] - start, slice_rows - rows)
+            pieces.append((index, chunk, start, count))
+            rows, start, end = rows + count, start + count, offset + count * row_bytes
+    if pieces:
+        yield pieces
 
 
 def read_in_place(
     path: Path,
-    name: str,
-    table: dict,
-    chunks: list[tuple[int, dict]],
+    read: TableRead,
     engine: ReadsInPlace,
     slice_bytes: int,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[dict, int], None] | None = None,
 ) -> None:
-    """Read a table's listed chunks straight into blocks ``engine`` claims, and have it
+    """Read the chunks ``read`` lists straight into blocks ``engine`` claims, and have it
     adopt each slice once its ids check out: a reader thread reads (and checksums) slice
     k+1 while this one checks and adopts slice k, and faults in the pages ahead of the
     reader while it has nothing to adopt. Every chunk is checked as :func:`chunk_slices`
     checks it; on a problem the rows not yet adopted are given back and the error
     raised (the rows adopted stay: the caller loads into empty stores and empties them).
-    ``progress(rows_done)`` after each chunk."""
-    row_bytes = table["row_bytes"]
+    ``progress(chunk, rows_done)`` after each chunk."""
+    row_bytes = read.row_bytes
     slice_rows = max(1, slice_bytes // row_bytes)
-    total = sum(chunk["rows"] for _, chunk in chunks)
+    total = read.rows
     stop = threading.Event()
-    # The file's size is compared with the manifest before a block is claimed: a crafted
-    # row count can claim no more than the file really holds.
-    data = open_data_file(path, name, table["file"], table["bytes"])
-    if total == 0:  # an empty table: its file is checked, there is nothing to claim
-        data.close()
-        return
-    with data, engine.writing():
+    with contextlib.ExitStack() as files:
+        # Every file's size is compared with the manifest before a block is claimed: a
+        # crafted row count can claim no more than the files really hold.
+        opened = [files.enter_context(open_data_file(path, read.name, p.file, p.bytes)) for p in read.files]
+        if total == 0:  # an empty table: its files are checked, there is nothing to claim
+            return
+        files.enter_context(engine.writing())
         first = engine.claim(total)
         pool = memoryview(engine.rows[first : first + total].view(torch.uint8).numpy()).cast("B")
+        files.callback(pool.release)
+        update = CHECKSUMS[read.checksum]
 
-        update = CHECKSUMS[table["checksum"]]
-
-        def read() -> Iterator[tuple[int, dict, int, int, bool, int]]:
+        def read_slices() -> Iterator[tuple[Path, list[tuple], int, int, bool, list[int]]]:
             done = 0
-            for index, chunk in chunks:
-                data.seek(chunk["offset"])
+            for part, data in zip(read.files, opened, strict=True):
                 crc = 0
-                for start in range(0, chunk["rows"], slice_rows):
-                    rows = min(slice_rows, chunk["rows"] - start)
+                for pieces in _slices_of(part.chunks, row_bytes, slice_rows):
+                    rows = sum(piece[3] for piece in pieces)
+                    data.seek(pieces[0][1]["offset"] + pieces[0][2] * row_bytes)
                     space = pool[done * row_bytes : (done + rows) * row_bytes]
                     complete = data.readinto(space) == len(space)
-                    crc = update(space, crc)  # while the slice is still in cache
+                    crcs, at = [], 0
+                    for _, _, start, count in pieces:  # each chunk's CRC while its bytes are in cache
+                        crc = update(
+                            space[at * row_bytes : (at + count) * row_bytes], 0 if start == 0 else crc
+                        )
+                        crcs.append(crc)
+                        at += count
                     if stop.is_set():
-                        raise _Stopped
-                    yield index, chunk, done, rows, complete, crc
+                        raise Stopped
+                    yield path / part.file, pieces, done, rows, complete, crcs
                     done += rows
 
         faulted = 0
@@ -466,26 +460,29 @@ def read_in_place(
             faulted += step
             return True
 
-        adopted, check, chunk_start = 0, None, 0
-        slices = _on_a_thread(read, stop, fault_ahead)
+        adopted, check = 0, None
+        slices = produced_on_a_thread(read_slices, stop, fault_ahead)
         try:
-            for index, chunk, at, rows, complete, crc in slices:
-                where = describe_chunk(name, path / table["file"], index, chunk, row_bytes)
-                if check is None or check.chunk is not chunk:
-                    check, chunk_start = _ChunkCheck(where, chunk, row_bytes, table["checksum"]), at
-                if not complete:
-                    raise CheckpointError(f"{where} is truncated")
-                check.add(pool[at * row_bytes : (at + rows) * row_bytes], crc)
-                engine.adopt(first + at, rows)
+            for file, pieces, at, rows, complete, crcs in slices:
+                finished, offset = [], at
+                for (index, chunk, start, count), crc in zip(pieces, crcs, strict=True):
+                    if start == 0:
+                        check = _ChunkCheck(file, index, chunk, read)
+                    if not complete:
+                        raise CheckpointError(f"{check.where} is truncated")
+                    check.add(pool[offset * row_bytes : (offset + count) * row_bytes], crc)
+                    offset += count
+                    if start + count == chunk["rows"]:
+                        check.finish()
+                        finished.append(chunk)
+                engine.adopt(first + at, rows)  # the slice's every piece checked first
                 adopted = at + rows
-                if adopted == chunk_start + chunk["rows"]:
-                    check.finish()
-                    if progress is not None:
-                        progress(adopted)
+                if progress is not None:
+                    for chunk in finished:
+                        progress(chunk, adopted)
         except BaseException:
             slices.close()  # the reader thread has stopped writing before the rest is zeroed
             engine.abandon(first + adopted, total - adopted)
             raise
         finally:
             slices.close()
-            pool.release()

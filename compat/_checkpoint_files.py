@@ -15,7 +15,6 @@ Version 1, version 2 (across ranks) and the DCP adapter all go through here.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import io
@@ -32,7 +31,15 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate._checkpoint_format import EXTRA_FILE, MANIFEST, checked_problem, manifest_problem
+from leanstate._background import finish_removals, remove_later
+from leanstate._checkpoint_format import (
+    EXTRA_FILE,
+    MANIFEST,
+    checked_problem,
+    manifest_problem,
+    manifest_v2_problem,
+    saved_across_ranks,
+)
 from leanstate.reference.checkpoint import CheckpointError
 
 
@@ -180,11 +187,14 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON (NaN and Infinity are not numbers of the format)")
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of the checkpoint at ``path``, checked against the schema.
+def read_manifest(path: str | os.PathLike) -> tuple[int, dict]:
+    """The format version and the manifest of the checkpoint at ``path``, checked against
+    its version's schema: the one read of a manifest that every load makes.
 
-    Raises :class:`CheckpointError` naming ``manifest.json`` and the offending key, or
-    ``FileNotFoundError`` (with the previous copy an interrupted save left, if complete).
+    Version 1 (one process, ascending ids) or version 2 (saved across ranks,
+    ``spec/sharding.md``). Raises :class:`CheckpointError` naming ``manifest.json`` and the
+    offending key, or ``FileNotFoundError`` (with the previous copy an interrupted save
+    left, if complete).
     """
     path = Path(path)
     file = path / MANIFEST
@@ -199,10 +209,11 @@ def read_manifest(path: str | os.PathLike) -> dict:
         )
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
     manifest = parse_manifest(file)
-    problem = checked_problem(manifest_problem, manifest)
+    version = 2 if saved_across_ranks(manifest) else 1
+    problem = checked_problem(manifest_v2_problem if version == 2 else manifest_problem, manifest)
     if problem is not None:
         raise CheckpointError(f"{file}: {problem}")
-    return manifest
+    return version, manifest
 
 
 def read_extra(path: Path, manifest: dict) -> dict[str, object]:
@@ -333,43 +344,15 @@ def publish(
     remove_previous_copies(path, marker)
 
 
-_removals: dict[Path, threading.Thread] = {}
-_removals_lock = threading.Lock()
-
-
 def remove_previous_copies(path: Path, marker: str = MANIFEST) -> None:
     """Delete the previous copies of ``path`` (``.NAME.previous-*``, this save's and any an
     interrupted one left): each marker now, the files on a background thread. A removal
     still running for ``path`` is waited for first, so two never race."""
-    with _removals_lock:
-        running = _removals.pop(path, None)
-    if running is not None:
-        running.join()
+    finish_removals(path)
     old = sorted(path.parent.glob(f".{path.name}.previous-*"))
     for copy in old:
         try:
             os.remove(copy / marker)
         except (FileNotFoundError, NotADirectoryError):
             pass
-    if not old:
-        return
-    thread = threading.Thread(
-        target=lambda: [shutil.rmtree(copy, ignore_errors=True) for copy in old],
-        name=f"leanstate-remove-{path.name}",
-        daemon=True,
-    )
-    with _removals_lock:
-        _removals[path] = thread
-    thread.start()
-
-
-def finish_removals() -> None:
-    """Wait until every previous copy being deleted is gone (also run at exit)."""
-    with _removals_lock:
-        running = list(_removals.values())
-        _removals.clear()
-    for thread in running:
-        thread.join()
-
-
-atexit.register(finish_removals)
+    remove_later(path, old)

@@ -274,6 +274,55 @@ def manifest_problem(manifest: object) -> str | None:
     return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
 
 
+def manifest_v2_problem(manifest: dict) -> str | None:
+    """The first way a version-2 (across ranks) ``manifest`` breaks its schema
+    (``spec/sharding.md``), or None."""
+    missing = [key for key in ("format", "version", "world_size", "tables", "extra") if key not in manifest]
+    if missing:
+        return f"the required key {missing[0]!r} is missing"
+    if manifest.get("format") != FORMAT_NAME:
+        return f"format is {manifest.get('format')!r}, not {FORMAT_NAME!r}"
+    if not isinstance(manifest.get("tables"), dict):
+        return "'tables' must be an object"
+    problem = extra_problem(manifest["extra"])
+    if problem is not None:
+        return problem
+    for name, table in manifest["tables"].items():
+        if not isinstance(table, dict) or not isinstance(table.get("files"), list):
+            return f"tables[{name!r}] must be an object with a 'files' list"
+        bucketing = table.get("bucketing")
+        if not isinstance(bucketing, dict) or not is_count(bucketing.get("buckets")):
+            return f"tables[{name!r}].bucketing must hold a bucket count"
+        total = 0
+        for f in table["files"]:
+            if (
+                not isinstance(f, dict)
+                or not plain_name(f.get("file"))
+                or not isinstance(f.get("chunks"), list)
+            ):
+                return f"tables[{name!r}].files entries must name a plain file and list its chunks"
+            offset, previous = 0, None
+            for i, chunk in enumerate(f["chunks"]):
+                keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
+                if not isinstance(chunk, dict) or not all(is_count(chunk.get(k)) for k in keys):
+                    return f"{f['file']} chunk {i}: needs non-negative integers {', '.join(keys)}"
+                if chunk["offset"] != offset:
+                    return f"{f['file']} chunk {i}: offset {chunk['offset']}, expected {offset} (contiguous)"
+                if previous is not None and (chunk["bucket"], chunk["min_id"]) <= previous:
+                    return (
+                        f"{f['file']} chunk {i}: (bucket, min_id) ({chunk['bucket']}, {chunk['min_id']}) does not "
+                        f"follow the previous chunk's (bucket, max_id) {previous} (rows are bucket-major, ids ascending)"
+                    )
+                previous = (chunk["bucket"], chunk["max_id"])
+                offset += chunk["rows"] * table.get("row_bytes", 0)
+                total += chunk["rows"]
+            if f.get("bytes") != offset:
+                return f"{f['file']}: bytes {f.get('bytes')} but its chunks cover {offset}"
+        if table.get("rows") != total:
+            return f"tables[{name!r}]: rows {table.get('rows')} but its chunks hold {total}"
+    return None
+
+
 def views_problem(views: object, tables: dict) -> str | None:
     """The first way the ``views`` object breaks the schema, or None."""
     if not isinstance(views, dict):

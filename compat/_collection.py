@@ -8,12 +8,14 @@ base class with the surface both expose (``embedding_bags``, ``fused_optimizer``
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from leanstate._torchrec_shapes import KeyedTensor, keyed_tensor, per_feature
+from leanstate._torchrec_shapes import BatchShape, KeyedTensor, KVTableConfig, embedding_names, keyed_tensor
 
 
 class Tables(nn.Module):
@@ -135,10 +137,16 @@ class TableCollection(nn.Module):
         device: torch.device | str | None,
     ) -> None:
         super().__init__()
+        _register_with_torchrec()
         self._fused_optimizer = None
         self.embedding_bags = Tables(bags)
         self._configs = configs
         self._table_features = {c.name: list(c.feature_names) for c in configs}
+        for table, names in self._table_features.items():
+            if len(set(names)) != len(names):
+                raise ValueError(f"{type(self).__name__}: table {table!r} lists a feature twice: {names}")
+        # TorchRec's output keys: a feature several tables read is feature@table
+        self._embedding_names = embedding_names(self._table_features)
         self._is_weighted = bool(is_weighted)
         self._device = torch.device(device) if device is not None else next(iter(bags.values())).device
 
@@ -165,7 +173,8 @@ class TableCollection(nn.Module):
         return self._fused_optimizer
 
     def feature_names(self) -> list[str]:
-        """Every feature, in output order."""
+        """Every table's features, in output order (a feature several tables read once for each:
+        the output names it ``feature@table``, TorchRec's rule)."""
         return [f for names in self._table_features.values() for f in names]
 
     def extra_state(self) -> dict[str, dict[str, int]]:
@@ -177,12 +186,46 @@ class TableCollection(nn.Module):
         for table, bag in self.embedding_bags.items():
             bag.load_extra_state(extra[table])
 
-    def _keyed(self, batch: int, pooled: Mapping[str, torch.Tensor]) -> KeyedTensor:
-        """Each table's pooled ``[features * batch, D]`` output as one ``[batch, D]`` block per
-        feature, tables in order: the collection's ``KeyedTensor`` (TorchRec's when it imports)."""
+    def _keyed(self, shape: BatchShape, pooled: Mapping[str, torch.Tensor]) -> KeyedTensor:
+        """Each table's pooled output (its features' bags one after the other) as one
+        ``[shape.size, D]`` block per feature, tables in order, expanded by the inverse
+        indices of a variable-batch input as TorchRec's collection does: the collection's
+        ``KeyedTensor`` (TorchRec's when it imports)."""
         blocks, dims = [], []
         for table, out in pooled.items():
-            features = len(self._table_features[table])
-            blocks.extend(per_feature(out, features, batch))
-            dims.extend([self.embedding_bags[table].embedding_dim] * features)
-        return keyed_tensor(self.feature_names(), dims, torch.cat(blocks, dim=1))
+            start = 0
+            for name in self._table_features[table]:
+                block = out[start : start + shape.strides[name]]
+                start += shape.strides[name]
+                if shape.inverse is not None:
+                    block = block.index_select(0, shape.inverse[name].to(block.device))
+                blocks.append(block)
+                dims.append(self.embedding_bags[table].embedding_dim)
+        return keyed_tensor(self._embedding_names, dims, torch.cat(blocks, dim=1))
+
+
+def config_of(name: str, bag: nn.Module) -> KVTableConfig:
+    """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
+    low, high = bag.store.init_range
+    return KVTableConfig(
+        name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
+        optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
+        optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
+        num_shards=bag.store.num_shards, weight_init_min=low, weight_init_max=high, seed=bag.store.seed,
+    )  # fmt: skip
+
+
+@functools.cache
+def _register_with_torchrec() -> None:
+    """Make the collections TorchRec ``FusedOptimizerModule``s when TorchRec imports, so
+    ``DistributedModelParallel.fused_optimizer`` (which collects the fused optimizers of
+    the modules that are) includes their tables. The class is an ABC: registered, not
+    inherited, so TorchRec stays optional. Done when the first collection is built, not
+    on the first forward: a model is wrapped in DMP before it runs."""
+    if importlib.util.find_spec("torchrec") is None:
+        return
+    try:
+        from torchrec.optim.fused import FusedOptimizerModule
+    except Exception:  # broken (e.g. no fbgemm): nothing to register with, as when absent
+        return
+    FusedOptimizerModule.register(TableCollection)

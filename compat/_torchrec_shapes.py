@@ -9,7 +9,9 @@ EmbeddingBagConfig's shape for a KV table; ``KVTableConfig.from_torchrec`` reads
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,8 +119,8 @@ class KeyedTensor:
 
 @functools.cache
 def _torchrec_keyed_tensor() -> type | None:
-    """TorchRec's ``KeyedTensor`` class when TorchRec imports, else None. Imported on the first
-    forward rather than with leanstate: TorchRec's import costs about two seconds."""
+    """TorchRec's ``KeyedTensor`` class when TorchRec imports, else None. Imported with the first
+    output rather than with leanstate: TorchRec's import costs about two seconds."""
     try:
         from torchrec.sparse.jagged_tensor import KeyedTensor as torchrec_keyed_tensor
     except (
@@ -137,18 +139,46 @@ def keyed_tensor(keys: list[str], length_per_key: list[int], values: torch.Tenso
     return cls(keys=keys, length_per_key=length_per_key, values=values)
 
 
+@dataclass
+class BatchShape:
+    """How a KeyedJaggedTensor's bags become the output's rows: ``size`` rows; ``strides``, the
+    bags of each key; ``inverse``, for each key the bag of every output row (TorchRec's
+    ``inverse_indices``, variable-batch inputs), or None when row ``b`` is bag ``b``."""
+
+    size: int
+    strides: dict[str, int]
+    inverse: dict[str, torch.Tensor] | None
+
+
+def _variable_stride(features) -> bool:
+    variable = getattr(features, "variable_stride_per_key", None)
+    return variable is not None and bool(variable())
+
+
+def _strides(features, keys: list[str], lengths: torch.Tensor) -> list[int]:
+    """The bags of each key: ``stride_per_key()`` of a variable-batch input, else the same for all."""
+    if _variable_stride(features):  # its lengths are key-major, each key at its own stride
+        strides = [int(s) for s in features.stride_per_key()]
+        if len(strides) != len(keys) or sum(strides) != len(lengths):
+            raise ValueError(
+                f"KVEmbeddingBagCollection: stride_per_key() {strides} does not match the {len(keys)} keys "
+                f"and {len(lengths)} lengths"
+            )
+        return strides
+    if lengths.dim() != 1 or len(lengths) % len(keys):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
+            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
+        )
+    return [len(lengths) // len(keys)] * len(keys)
+
+
 def jagged_parts(
     features, *, weighted: bool
-) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(keys, values, lengths, weights or None) of a KeyedJaggedTensor-like, checked. The
-    weights are read only when ``weighted`` (the collection's ``is_weighted``): TorchRec's
-    collections ignore a weighted input's weights otherwise."""
-    variable_batch = getattr(features, "variable_stride_per_key", None)
-    if variable_batch is not None and variable_batch():  # its lengths are not key-major B per key
-        raise ValueError(
-            "KVEmbeddingBagCollection: variable-batch KeyedJaggedTensors (stride_per_key_per_rank, "
-            "inverse_indices) are not supported; pass one batch size for every key"
-        )
+) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    """(keys, values, lengths, weights or None, bags per key) of a KeyedJaggedTensor-like,
+    checked. The weights are read only when ``weighted`` (the collection's
+    ``is_weighted``): TorchRec's collections ignore a weighted input's weights otherwise."""
     keys, values = list(features.keys()), features.values()
     if hasattr(features, "lengths"):
         lengths = features.lengths()
@@ -165,11 +195,7 @@ def jagged_parts(
     lengths = torch.as_tensor(lengths).cpu().to(torch.int64)
     if not keys:
         raise ValueError("KVEmbeddingBagCollection: the features have no keys")
-    if lengths.dim() != 1 or len(lengths) % len(keys):
-        raise ValueError(
-            f"KVEmbeddingBagCollection: lengths has {len(lengths)} entries, not a multiple of the "
-            f"{len(keys)} keys {keys} (lengths are key-major: len(keys) * batch_size)"
-        )
+    strides = _strides(features, keys, lengths)
     if bool((lengths < 0).any()) or int(lengths.sum()) != len(values):
         raise ValueError(
             f"KVEmbeddingBagCollection: lengths must be >= 0 and sum to len(values)={len(values)}; "
@@ -179,44 +205,92 @@ def jagged_parts(
         raise ValueError(
             f"KVEmbeddingBagCollection: weights_or_none() has {len(weights)} entries; values has {len(values)}"
         )
-    return keys, values, lengths, weights
+    return keys, values, lengths, weights, strides
 
 
-def table_inputs(features, table_features: Mapping[str, list[str]], *, weighted: bool):
-    """(batch size, table -> (ids, offsets, weights or None)): each table's features' bags
-    one after the other, in the table's feature order, from a KeyedJaggedTensor-like. A key
-    no table reads is skipped, as TorchRec does; a table's feature missing from the input is
-    a ``KeyError``. Weights are per-sample weights when ``weighted``, else ignored."""
-    keys, values, lengths, weights = jagged_parts(features, weighted=weighted)
-    wanted = [f for names in table_features.values() for f in names]
+def _inverse_indices(
+    features, strides: Mapping[str, int], wanted: list[str]
+) -> dict[str, torch.Tensor] | None:
+    """Each wanted key's row of the input's ``inverse_indices`` (TorchRec's EBC expands each key's
+    pooled bags to the full batch by them), checked against its bags; None without them."""
+    read = getattr(features, "inverse_indices_or_none", None)
+    inverse = read() if read is not None else None
+    if inverse is None:
+        if len({strides[k] for k in wanted}) > 1:
+            raise ValueError(
+                f"KVEmbeddingBagCollection: a variable-batch KeyedJaggedTensor without inverse_indices: the "
+                f"features have { ({k: strides[k] for k in wanted}) } bags, which make no one batch; pass inverse_indices"
+            )
+        return None
+    names, indices = inverse
+    rows = {name: i for i, name in enumerate(names)}
+    indices = torch.as_tensor(indices).cpu().to(torch.int64)
+    absent = [k for k in wanted if k not in rows]
+    if absent or indices.dim() != 2 or len(indices) != len(names):
+        raise ValueError(
+            f"KVEmbeddingBagCollection: inverse_indices must be (keys, [len(keys), batch] indices) naming "
+            f"every feature read; got keys {list(names)} and shape {list(indices.shape)}, missing {absent}"
+        )
+    out = {}
+    for key in wanted:
+        index = indices[rows[key]]
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= strides[key]):
+            raise ValueError(
+                f"KVEmbeddingBagCollection: inverse_indices of {key!r} must lie in [0, {strides[key]}) "
+                f"(its bags); got {int(index.min())}..{int(index.max())}"
+            )
+        out[key] = index
+    return out
+
+
+def table_inputs(
+    features, table_features: Mapping[str, list[str]], *, weighted: bool, variable_batch: bool = True
+) -> tuple[BatchShape, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
+    """(the output's :class:`BatchShape`, table -> (ids, offsets, weights or None)): each table's
+    features' bags one after the other, in the table's feature order, from a
+    KeyedJaggedTensor-like (a feature several tables read, in each of them). A key no
+    table reads is skipped, as TorchRec does; a table's feature missing from the input is
+    a ``KeyError``. Weights are per-sample weights when ``weighted``, else ignored.
+    A variable-batch input is refused unless ``variable_batch``."""
+    read = getattr(features, "inverse_indices_or_none", None)
+    if not variable_batch and (_variable_stride(features) or (read is not None and read() is not None)):
+        raise ValueError(
+            "ShardedKVEmbeddingBagCollection: variable-batch KeyedJaggedTensors (stride_per_key_per_rank, "
+            "inverse_indices) are not supported; pass one batch size for every key"
+        )
+    keys, values, lengths, weights, strides = jagged_parts(features, weighted=weighted)
+    wanted = list(dict.fromkeys(f for names in table_features.values() for f in names))
     missing = [k for k in wanted if k not in keys]
     if missing:
         raise KeyError(f"KVEmbeddingBagCollection: missing features {missing}; the input has {keys}")
-    batch = len(lengths) // len(keys)
-    ends = torch.cumsum(lengths, 0)
-    starts = ends - lengths
-    position = {key: k for k, key in enumerate(keys)}
+    stride_of = dict(zip(keys, strides, strict=True))
+    inverse = _inverse_indices(features, stride_of, wanted)
+    size = len(next(iter(inverse.values()))) if inverse else stride_of[wanted[0]]
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    first_bag = dict(zip(keys, [0, *itertools.accumulate(strides)], strict=False))
     inputs = {}
     for table, names in table_features.items():
         parts, part_weights, part_lengths = [], [], []
         for name in names:
-            k = position[name]
-            first = int(starts[k * batch]) if batch else 0
-            last = int(ends[(k + 1) * batch - 1]) if batch else 0
+            bag = first_bag[name]
+            first, last = int(bounds[bag]), int(bounds[bag + stride_of[name]])
             parts.append(values[first:last])
-            part_lengths.append(lengths[k * batch : (k + 1) * batch])
+            part_lengths.append(lengths[bag : bag + stride_of[name]])
             if weights is not None:
                 part_weights.append(weights[first:last])
         table_lengths = torch.cat(part_lengths)
         offsets = torch.cumsum(table_lengths, 0) - table_lengths
         inputs[table] = (torch.cat(parts), offsets, torch.cat(part_weights) if weights is not None else None)
-    return batch, inputs
+    return BatchShape(size, {k: stride_of[k] for k in wanted}, inverse), inputs
 
 
-def per_feature(pooled: torch.Tensor, features: int, batch: int) -> list[torch.Tensor]:
-    """A table's pooled ``[features * batch, D]`` output as one ``[batch, D]`` block per feature
-    (also for an empty batch, where ``split`` would give one block)."""
-    return [pooled[k * batch : (k + 1) * batch] for k in range(features)]
+def embedding_names(table_features: Mapping[str, list[str]]) -> list[str]:
+    """The output's keys, TorchRec's rule: every table's features in order, a feature several
+    tables read named ``feature@table``."""
+    tables_of = collections.Counter(f for names in table_features.values() for f in names)
+    return [
+        f"{f}@{table}" if tables_of[f] > 1 else f for table, names in table_features.items() for f in names
+    ]
 
 
 def _data_type(value: object) -> torch.dtype:

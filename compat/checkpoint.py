@@ -17,20 +17,15 @@ of one backend loads bit for bit into a store of any other, on any device.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import torch
-
-from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks, read_in_place, write_store
+from leanstate._checkpoint_chunks import TableRead, read_chunks, write_store
 from leanstate._checkpoint_files import (
     checked_target,
     extra_bytes_of,
-    interrupts_deferred,
-    parse_manifest,
     publish,
     read_extra,
     read_manifest,
@@ -39,7 +34,6 @@ from leanstate._checkpoint_files import (
 )
 from leanstate._checkpoint_format import (
     DEFAULT_CHUNK_BYTES,
-    MANIFEST,
     SLICE_BYTES,
     Progress,
     Target,
@@ -48,15 +42,13 @@ from leanstate._checkpoint_format import (
     check_layout,
     chunks_in_range,
     in_range,
-    saved_across_ranks,
     table_entry,
     targets_of,
 )
-from leanstate.kv_store import KVStore
+from leanstate._checkpoint_load import apply_tables, load_all_or_nothing, verify_table
 from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
-from leanstate.reference.row_format import header_words
 from leanstate.sharded_checkpoint import load_into_plain, load_sharded, save_sharded
 
 
@@ -187,25 +179,6 @@ def load_checkpoint(
                 "load_checkpoint: id_range and process_group exclude each other (buckets decide)"
             )
         return load_sharded(path, tables, process_group=process_group, chunk_bytes=chunk_bytes)
-    if _saved_across_ranks(path):  # one process takes every rank's rows
-        if id_range is not None:
-            raise ValueError(
-                "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
-            )
-        return load_into_plain(path, tables, chunk_bytes=chunk_bytes)
-    return _load(path, tables, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
-
-
-def _saved_across_ranks(path) -> bool:
-    """Whether ``path`` holds a version-2 checkpoint (any doubt: the plain loader decides)."""
-    try:
-        manifest = parse_manifest(Path(path) / MANIFEST)
-    except (CheckpointError, OSError, TypeError):
-        return False
-    return saved_across_ranks(manifest)
-
-
-def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None) -> dict[str, object]:
     method = "load_checkpoint"
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{method}: path must be a str or os.PathLike; got {type(path).__name__}")
@@ -213,11 +186,31 @@ def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None
     check_chunk_bytes(method, chunk_bytes)
     id_range = check_id_range(id_range, method)
     targets = targets_of(tables, method)
-    manifest = read_manifest(path)
-    plan = []
+    version, manifest = read_manifest(path)
+    if version == 2:  # one process takes every rank's rows
+        if id_range is not None:
+            raise ValueError(
+                "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
+            )
+        return load_into_plain(path, manifest, targets, chunk_bytes=chunk_bytes)
+    return _load(path, manifest, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
+
+
+def _load(
+    path: Path,
+    manifest: dict,
+    targets: list[Target],
+    *,
+    id_range,
+    chunk_bytes: int,
+    progress: Progress | None,
+) -> dict[str, object]:
+    method = "load_checkpoint"
+    plan: list[tuple[Target, TableRead]] = []
+    views = []
     for target in targets:
         if target.view is not None and target.view.read_only:
-            plan.append((target, None, []))
+            views.append(target)
             continue
         if not target.whole:
             raise ValueError(
@@ -229,79 +222,32 @@ def _load(path, tables, *, id_range, chunk_bytes: int, progress: Progress | None
             raise CheckpointError(f"table {target.name!r} is not in checkpoint {path} (it has: {have})")
         table = manifest["tables"][target.name]
         check_layout(path / table["file"], target.name, table, target.store)
-        plan.append((target, table, chunks_in_range(table, id_range)))
+        plan.append((target, TableRead.of_v1(target.name, table, chunks_in_range(table, id_range))))
     extra = read_extra(path, manifest)  # checked before any row is applied
-    # Into stores that hold no row yet, every row is new: verify and apply in one pass,
-    # and undo a failure by emptying them again. Rows of a store that already holds some
-    # could be overwritten, which cannot be undone: verify every chunk first (pass 1).
-    written = [target.store for target, table, _ in plan if table is not None]
-    one_pass = all(len(store) == 0 for store in written) and len({id(s) for s in written}) == len(written)
-    if not one_pass:
-        for target, table, chunks in plan:
-            if table is not None:
-                for _ in read_chunks(path, target.name, table, chunks, chunk_bytes, ahead=True):
-                    pass
-    try:
-        # Into stores that held rows, every chunk is verified: Ctrl-C waits for the apply to
-        # finish (a half-applied store could not be restored), then interrupts.
-        with contextlib.nullcontext() if one_pass else interrupts_deferred():
-            for target, table, chunks in plan:
-                _apply(path, manifest, target, table, chunks, id_range, chunk_bytes, progress, one_pass)
-        return extra
-    except BaseException:
-        if one_pass:  # rows went into empty stores: empty them again
-            for store in written:
-                store.delete(store.keys())
-        raise
+    slice_bytes = min(chunk_bytes, SLICE_BYTES)
+    keep = None if id_range is None else (lambda ids: in_range(ids, id_range))
+
+    def verify() -> None:
+        for _, read in plan:
+            verify_table(path, read, slice_bytes)
+
+    def apply(into_empty: bool) -> None:
+        tables = []
+        for target, read in plan:
+            total = manifest["tables"][target.name]["rows"]
+            report = None if progress is None else _reporter(progress, target.name, total)
+            tables.append((read, target.store, keep, report))
+        apply_tables(path, tables, into_empty=into_empty, slice_bytes=slice_bytes)
+        for target in views:  # a read-only view: its rows arrived with the whole rows
+            target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
+
+    load_all_or_nothing([target.store for target, _ in plan], verify, apply)
+    return extra
 
 
-def _apply(
-    path: Path,
-    manifest: dict,
-    target: Target,
-    table,
-    chunks,
-    id_range,
-    chunk_bytes,
-    progress,
-    into_empty: bool,
-) -> None:
-    """Stream one planned table's rows into its store; every chunk's CRC is checked as it is read.
-
-    Into an empty store whose engine reads in place (the numba engine), with no
-    ``id_range``, the rows are read straight into its pool and indexed there; otherwise
-    each slice, read one ahead on a thread, goes through ``set_rows``."""
-    if table is None:  # a read-only view: its rows arrived with the whole rows
-        target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
-        return
-    store = target.store
-    engine = store.engine if isinstance(store, KVStore) else None
-    if into_empty and id_range is None and isinstance(engine, ReadsInPlace):
-        report = None if progress is None else (lambda done: progress(target.name, done, table["rows"]))
-        read_in_place(path, target.name, table, chunks, engine, min(chunk_bytes, SLICE_BYTES), report)
-        return
-    layout = store.layout
-    done, reserved = 0, False
-    # The file's size matched the manifest before the first slice: grow the store once.
-    # Rows the store already holds (a resume) need no room: reserving them too would
-    # grow a full store by the table's size.
-    incoming = sum(chunk["rows"] for _, chunk in chunks)
-    with contextlib.closing(
-        read_chunks(path, target.name, table, chunks, min(chunk_bytes, SLICE_BYTES), ahead=True)
-    ) as slices:
-        for _, buffer in slices:
-            if buffer is None:
-                continue
-            rows = torch.frombuffer(buffer, dtype=torch.uint8).view(layout.dtype).view(-1, layout.width)
-            if not reserved:
-                store.reserve(max(0, incoming - len(store)))
-                reserved = True
-            if id_range is not None:
-                rows = rows[in_range(header_words(rows)[:, 0], id_range)]
-            store.set_rows(rows)  # keyed by each row's header, for views too
-            done += len(rows)
-            if progress is not None:
-                progress(target.name, done, table["rows"])
+def _reporter(progress: Progress, name: str, total: int):
+    """``progress(table, rows_done, rows_total)`` as the chunk-apply step calls it."""
+    return lambda chunk, done: progress(name, done, total)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
@@ -310,10 +256,10 @@ def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]
     Raises :class:`CheckpointError` naming the file (and chunk) at the first bad one.
     """
     path = Path(path)
-    manifest = read_manifest(path)
+    _, manifest = read_manifest(path)
     for name, table in manifest["tables"].items():
-        chunks = chunks_in_range(table, None)
-        for index, buffer in read_chunks(path, name, table, chunks, DEFAULT_CHUNK_BYTES):
+        read = TableRead.of_v1(name, table, chunks_in_range(table, None))
+        for index, chunk, buffer in read_chunks(path, read, DEFAULT_CHUNK_BYTES):
             if buffer is None:
-                yield name, index, table["chunks"][index]["rows"]
+                yield name, index, chunk["rows"]
     read_extra(path, manifest)

@@ -28,7 +28,7 @@ from torch import nn
 
 from leanstate import _backends
 from leanstate._bag_input import batch_summary, checked_batch
-from leanstate._collection import TableCollection
+from leanstate._collection import TableCollection, config_of
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
 from leanstate._torchrec_shapes import (
@@ -509,24 +509,14 @@ class KVEmbeddingBag(nn.Module):
         self.optimizer_step = int(extra["optimizer_step"])
 
 
-def _config_of(name: str, bag: KVEmbeddingBag) -> KVTableConfig:
-    """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
-    low, high = bag._config["init_range"]
-    return KVTableConfig(
-        name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
-        optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
-        optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
-        num_shards=bag._config["num_shards"], weight_init_min=low, weight_init_max=high, seed=bag._config["seed"],
-    )  # fmt: skip
-
-
 class KVEmbeddingBagCollection(TableCollection):
     """KV embedding tables with TorchRec's EmbeddingBagCollection shapes.
 
     Args:
         tables: a list of :class:`KVTableConfig` or TorchRec ``EmbeddingBagConfig`` (read by
-            :meth:`KVTableConfig.from_torchrec`; several features may share a table), or a
-            mapping name -> :class:`KVEmbeddingBag` (one feature per table, its name).
+            :meth:`KVTableConfig.from_torchrec`; several features may share a table, and a
+            feature may feed several tables), or a mapping name -> :class:`KVEmbeddingBag`
+            (one feature per table, its name).
         is_weighted: whether the input's weights are per-sample weights; when False (the
             default, as TorchRec's) a weighted input's weights are ignored.
         device: where the rows live and the lookups run (default the CPU).
@@ -536,10 +526,13 @@ class KVEmbeddingBagCollection(TableCollection):
     ``values()``, ``lengths()`` or ``offsets()``, and ``weights_or_none()`` when weighted)
     holding every feature of the tables (keys no table reads are skipped), and returns a
     ``KeyedTensor`` (TorchRec's when it imports, else :class:`KeyedTensor`) with one
-    ``[B, D]`` block per feature, tables in order, each table's features in order. Each
-    table deduplicates the ids of all its features together, so its fused update sees one
-    gradient per distinct id. The lookup is a ``torch.compiler.disable`` boundary: the rest
-    of a compiled model compiles around it.
+    ``[B, D]`` block per feature, tables in order, each table's features in order (a
+    feature several tables read is ``feature@table``, TorchRec's name). A variable-batch
+    KeyedJaggedTensor is pooled per key at its own stride and expanded to the batch by its
+    ``inverse_indices``, as TorchRec's collection does. Each table deduplicates the ids of
+    all its features together, so its fused update sees one gradient per distinct id. The
+    lookup is a ``torch.compiler.disable`` boundary: the rest of a compiled model compiles
+    around it.
 
     Example::
 
@@ -560,7 +553,7 @@ class KVEmbeddingBagCollection(TableCollection):
     ) -> None:
         if isinstance(tables, Mapping):
             bags = dict(tables)
-            given = configs = [_config_of(name, bag) for name, bag in bags.items()]
+            given = configs = [config_of(name, bag) for name, bag in bags.items()]
         else:
             given, configs = table_configs(tables)
             names = [c.name for c in configs]
@@ -572,22 +565,19 @@ class KVEmbeddingBagCollection(TableCollection):
             }
         if not bags:
             raise ValueError("KVEmbeddingBagCollection: no tables")
-        everything = [f for c in configs for f in c.feature_names]
-        if len(set(everything)) != len(everything):
-            raise ValueError(f"KVEmbeddingBagCollection: a feature may feed one table only; got {everything}")
         super().__init__(bags, given, is_weighted=is_weighted, device=device)
 
     @torch.compiler.disable  # the store is Python and numba: a graph break, so the rest of a model compiles
     def forward(self, features) -> KeyedTensor:
         """Pool each feature of ``features`` in its table; a ``KeyedTensor``."""
-        batch, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
+        shape, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
         pooled = {}
         for table, (ids, offsets, weights) in inputs.items():
             bag = self.embedding_bags[table]
             if bag.include_last_offset:  # a bag given in a mapping may want the end too
                 offsets = torch.cat([offsets, torch.tensor([len(ids)])])
             pooled[table] = bag(ids, offsets, weights)
-        return self._keyed(batch, pooled)
+        return self._keyed(shape, pooled)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
         """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""

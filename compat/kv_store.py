@@ -18,6 +18,7 @@ import torch
 from leanstate import _backends
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
+from leanstate.reference.kv_store import ReadsInPlace
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
 MAX_SHARDS = 2**16
@@ -129,6 +130,12 @@ class KVStore:
         """The engine of this store's backend: its row-access interface (``spec/backends.md``)
         is how the embedding engines reach the rows."""
         return self._engine
+
+    def rows_in_place(self) -> ReadsInPlace | None:
+        """The engine's in-place load interface when it has one (``spec/backends.md``), else
+        None: a checkpoint load into this store while it is empty reads rows straight into
+        the engine's pool instead of upserting them."""
+        return self._engine if isinstance(self._engine, ReadsInPlace) else None
 
     # -- properties ----------------------------------------------------------------
 

@@ -16,35 +16,36 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from leanstate import _checkpoint_files as files
-from leanstate._checkpoint_chunks import chunk_slices, describe_chunk, open_data_file, write_store
+from leanstate._checkpoint_chunks import FileChunks, TableRead, read_chunks, write_store
+from leanstate._checkpoint_files import read_manifest
 from leanstate._checkpoint_format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
-    DTYPES,
     MANIFEST,
+    SLICE_BYTES,
+    Target,
     check_chunk_bytes,
     check_layout,
-    checked_problem,
-    extra_problem,
-    is_count,
     layout_fields,
-    plain_name,
-    saved_across_ranks,
     targets_of,
 )
-from leanstate._checkpoint_ranks import broadcast, from_every_rank, staged_by_rank_0
+from leanstate._checkpoint_load import (
+    apply_tables,
+    load_all_or_nothing,
+    verify_table,
+)
+from leanstate._checkpoint_ranks import broadcast, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
-from leanstate.reference.kv_store import SupportsRows
-from leanstate.reference.row_format import header_words
-from leanstate.reference.sharding import BucketedTable, bucket_of, describe_bucketing, owner_of_bucket
+from leanstate.reference.sharding import BucketedTable, describe_bucketing, owner_of_bucket
 
 FORMAT_VERSION = 2
 
@@ -152,66 +153,37 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
 # -- load ---------------------------------------------------------------------------------
 
 
-def read_manifest_v2(path: Path) -> dict:
-    """A version-1 manifest (checked by the v1 reader) or a version-2 one (checked here)."""
-    file = path / MANIFEST
-    if not os.path.lexists(file):
-        return files.read_manifest(path)  # raises, naming what is missing
-    manifest = files.parse_manifest(file)
-    if not saved_across_ranks(manifest):
-        return files.read_manifest(path)
-    problem = checked_problem(_manifest_problem, manifest)
-    if problem is not None:
-        raise CheckpointError(f"{file}: {problem}")
-    return manifest
-
-
-def _manifest_problem(manifest: dict) -> str | None:
-    missing = [key for key in ("format", "version", "world_size", "tables", "extra") if key not in manifest]
-    if missing:
-        return f"the required key {missing[0]!r} is missing"
-    if manifest.get("format") != FORMAT_NAME:
-        return f"format is {manifest.get('format')!r}, not {FORMAT_NAME!r}"
-    if not isinstance(manifest.get("tables"), dict):
-        return "'tables' must be an object"
-    problem = extra_problem(manifest["extra"])
-    if problem is not None:
-        return problem
-    for name, table in manifest["tables"].items():
-        if not isinstance(table, dict) or not isinstance(table.get("files"), list):
-            return f"tables[{name!r}] must be an object with a 'files' list"
-        bucketing = table.get("bucketing")
-        if not isinstance(bucketing, dict) or not is_count(bucketing.get("buckets")):
-            return f"tables[{name!r}].bucketing must hold a bucket count"
-        total = 0
-        for f in table["files"]:
-            if (
-                not isinstance(f, dict)
-                or not plain_name(f.get("file"))
-                or not isinstance(f.get("chunks"), list)
-            ):
-                return f"tables[{name!r}].files entries must name a plain file and list its chunks"
-            offset = 0
-            for i, chunk in enumerate(f["chunks"]):
-                keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
-                if not isinstance(chunk, dict) or not all(is_count(chunk.get(k)) for k in keys):
-                    return f"{f['file']} chunk {i}: needs non-negative integers {', '.join(keys)}"
-                if chunk["offset"] != offset:
-                    return f"{f['file']} chunk {i}: offset {chunk['offset']}, expected {offset} (contiguous)"
-                offset += chunk["rows"] * table.get("row_bytes", 0)
-                total += chunk["rows"]
-            if f.get("bytes") != offset:
-                return f"{f['file']}: bytes {f.get('bytes')} but its chunks cover {offset}"
-        if table.get("rows") != total:
-            return f"tables[{name!r}]: rows {table.get('rows')} but its chunks hold {total}"
-    return None
-
-
 def _files_of(table: dict) -> list[dict]:
     """A table's files, each with its chunks: version 2's list, or version 1's one file."""
     if "files" in table:
         return table["files"]
     return [{"file": table["file"], "bytes": table["bytes"], "chunks": table["chunks"]}]
+
+
+def _table_read(name: str, saved: dict, buckets: int, rank: int, world: int) -> TableRead:
+    """The chunks of a saved table this rank reads: version 2's chunks of the buckets it
+    owns (another rank's are not even read), or every chunk of a version-1 file."""
+    parts = [
+        FileChunks(
+            f["file"],
+            f["bytes"],
+            [
+                (i, chunk)
+                for i, chunk in enumerate(f["chunks"])
+                if "bucket" not in chunk
+                or owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=buckets) == rank
+            ],
+        )
+        for f in _files_of(saved)
+    ]
+    bucketing = saved.get("bucketing")
+    return TableRead(
+        name,
+        saved["row_bytes"],
+        saved.get("checksum", "crc32"),
+        parts,
+        None if bucketing is None else (bucketing["buckets"], bucketing["bucket_size"]),
+    )
 
 
 def load_sharded(
@@ -220,74 +192,85 @@ def load_sharded(
     *,
     process_group: dist.ProcessGroup | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    manifest: dict | None = None,
 ) -> dict[str, object]:
     """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every
     rank (``process_group=None``: one process, which owns every id and reads every chunk).
 
     Version 2: only the chunks of buckets this rank owns are read. Version 1: every chunk
-    is read and only owned rows are applied. Returns the extra state; the statistics of
-    the load are in :data:`last_load_stats` (this rank's bytes and chunks read). If any
-    rank fails, every rank raises and rows loaded into empty stores are removed.
+    is read and only owned rows are applied. ``manifest``: the checkpoint's, when the
+    caller has read it already. Returns the extra state; the statistics of the load are
+    in :data:`last_load_stats` (this rank's bytes and chunks read). If any rank fails,
+    every rank raises and rows loaded into empty stores are removed.
     """
     method = "load_checkpoint"
     _check_tables(tables, method)
+    check_chunk_bytes(method, chunk_bytes)
     path = Path(path)
     if process_group is None:  # one process: it owns every id and reads every chunk
         rank, world = 0, 1
     else:
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
-    # Every rank takes the same path: one pass when every store on every rank is empty
-    # (a failure empties them again), else verify everywhere, agree, then apply.
-    empty = all(from_every_rank(all(len(t.store) == 0 for t in tables.values()), process_group))
-    problem, extra, plan = None, {}, []
-    try:
-        manifest = read_manifest_v2(path)
-        missing = [name for name in tables if name not in manifest["tables"]]
+    counting = threading.Lock()
+    plan: list[tuple[BucketedTable, TableRead]] = []
+    extra: dict[str, object] = {}
+    slice_bytes = min(chunk_bytes, SLICE_BYTES)
+
+    def prepare() -> None:
+        nonlocal extra
+        saved = read_manifest(path)[1] if manifest is None else manifest
+        missing = [name for name in tables if name not in saved["tables"]]
         if missing:
             raise CheckpointError(
-                f"{path / MANIFEST}: no table {missing[0]!r} (it has {list(manifest['tables'])})"
+                f"{path / MANIFEST}: no table {missing[0]!r} (it has {list(saved['tables'])})"
             )
         for name, table in tables.items():
-            _check_table(path, name, manifest["tables"][name], table)
-        extra = files.read_extra(path, manifest)
-        plan = [(name, table, manifest["tables"][name]) for name, table in tables.items()]
-        if not empty:  # rows already there could not be restored: verify every chunk first
-            for name, table, saved in plan:
-                _load_table(path, name, table, saved, rank, world, stats, apply=False)
-            stats = dict.fromkeys(stats, 0)
-    except Exception as exc:
-        problem = f"rank {rank}: {exc}"
-    _record(stats)  # also when the load fails: what this rank read before it did
-    _raise_if_any(from_every_rank(problem, process_group), method, undo=None, outcome="nothing was applied")
+            _check_table(path, name, saved["tables"][name], table)
+        extra = files.read_extra(path, saved)
+        for name, table in tables.items():
+            plan.append((table, _table_read(name, saved["tables"][name], table.buckets, rank, world)))
+
+    def count(read: TableRead):
+        def counted(chunk: dict, *_) -> None:
+            with counting:
+                stats["chunks_read"] += 1
+                stats["bytes_read"] += chunk["rows"] * read.row_bytes
+
+        return counted
+
+    def verify() -> None:
+        for _, read in plan:
+            verify_table(path, read, slice_bytes, count(read))
+
+    def apply(into_empty: bool) -> None:
+        stats.update(dict.fromkeys(stats, 0))  # the figures of the pass that applies
+        applying = []
+        for table, read in plan:
+            # A version-1 file holds every rank's rows: apply the ones this rank owns.
+            keep = None if world == 1 or read.bucketing is not None else _owned_by(table, rank, world)
+            applying.append((read, table.store, keep, count(read)))
+        stats["rows_loaded"] = sum(
+            apply_tables(path, applying, into_empty=into_empty, slice_bytes=slice_bytes)
+        )
+
     try:
-        for name, table, saved in plan:
-            _load_table(path, name, table, saved, rank, world, stats, apply=True)
-        problem = None
-    except Exception as exc:
-        problem = f"rank {rank}: {exc}"
-    _record(stats)
-    _raise_if_any(
-        from_every_rank(problem, process_group),
-        method,
-        undo=tables.values() if empty else None,
-        outcome="the stores were emptied again" if empty else "verified rows were being applied",
-    )
+        stores = [table.store for table in tables.values()]
+        load_all_or_nothing(
+            stores, verify, apply, prepare=prepare, group=process_group, gather_errors=True, method=method
+        )
+    finally:
+        _record(stats)  # also when the load fails: what this rank read before it did
     return extra
+
+
+def _owned_by(table: BucketedTable, rank: int, world: int):
+    return lambda ids: table.owner(ids, world) == rank
 
 
 def _record(stats: dict[str, int]) -> None:
     last_load_stats.clear()
     last_load_stats.update(stats)
-
-
-def _raise_if_any(problems: list, method: str, *, undo, outcome: str) -> None:
-    """Raise the first rank's problem on every rank, after emptying the ``undo`` stores."""
-    failed = [p for p in problems if p is not None]
-    if failed:
-        for table in undo or ():
-            table.store.delete(table.store.keys())
-        raise CheckpointError(f"{method}: the load across ranks failed ({outcome}): {failed[0]}")
 
 
 last_load_stats: dict[str, int] = {}
@@ -310,71 +293,29 @@ def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> No
         )
 
 
-def _read_chunk(
-    handle, name: str, file: Path, index: int, chunk: dict, saved: dict, dtype: torch.dtype
-) -> torch.Tensor:
-    """Chunk ``index`` of ``file`` as rows: its size, CRC, ascending ids and (version 2)
-    bucket checked."""
-    row_bytes = saved["row_bytes"]
-    buffer = bytearray(chunk["rows"] * row_bytes)  # the whole chunk: one slice
-    where = describe_chunk(name, file, index, chunk, row_bytes)
-    for _ in chunk_slices(handle, where, chunk, row_bytes, saved.get("checksum", "crc32"), buffer):
-        pass
-    rows = torch.frombuffer(buffer, dtype=dtype).view(chunk["rows"], -1)
-    if "bucket" in chunk:
-        bucketing = saved["bucketing"]
-        buckets = bucket_of(
-            header_words(rows)[:, 0],
-            total_num_buckets=bucketing["buckets"],
-            bucket_size=bucketing["bucket_size"],
-        )
-        if not bool((buckets == chunk["bucket"]).all()):
-            raise CheckpointError(f"{where}: holds ids outside bucket {chunk['bucket']}")
-    return rows
-
-
-def _load_table(path, name, table: BucketedTable, saved: dict, rank, world, stats, *, apply: bool) -> None:
-    for f in _files_of(saved):
-        file = path / f["file"]
-        with open_data_file(path, name, f["file"], f["bytes"]) as handle:
-            for i, chunk in enumerate(f["chunks"]):
-                if "bucket" in chunk and (
-                    owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=table.buckets)
-                    != rank
-                ):
-                    continue  # another rank's bucket: not even read
-                rows = _read_chunk(handle, name, file, i, chunk, saved, table.store.layout.dtype)
-                stats["bytes_read"] += rows.numel() * rows.element_size()
-                stats["chunks_read"] += 1
-                if apply:
-                    rows = rows[table.owner(header_words(rows)[:, 0], world) == rank]
-                    table.store.set_rows(rows)
-                    stats["rows_loaded"] += len(rows)
-
-
 def verify_sharded(path: str | os.PathLike):
     """Check every chunk of every rank's files of a version-2 checkpoint, then the extra
     state; yield (table, file, chunk) as each passes. Raises ``CheckpointError`` at the first bad one."""
     path = Path(path)
-    manifest = read_manifest_v2(path)
+    _, manifest = read_manifest(path)
     for name, saved in manifest["tables"].items():
-        dtype = DTYPES[saved["dtype"]]
-        for f in _files_of(saved):
-            with open_data_file(path, name, f["file"], f["bytes"]) as handle:
-                for i, chunk in enumerate(f["chunks"]):
-                    _read_chunk(handle, name, path / f["file"], i, chunk, saved, dtype)
-                    yield name, f["file"], i
+        read = _table_read(name, saved, saved["bucketing"]["buckets"], 0, 1)  # one rank: every chunk
+        for part in read.files:
+            one_file = dataclasses.replace(read, files=[part])
+            for i, _, buffer in read_chunks(path, one_file, SLICE_BYTES):
+                if buffer is None:
+                    yield name, part.file, i
     files.read_extra(path, manifest)
 
 
 def load_into_plain(
-    path: str | os.PathLike, tables: Mapping[str, SupportsRows], **kwargs
+    path: Path, manifest: dict, targets: list[Target], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> dict[str, object]:
-    """Load a version-2 checkpoint into plain stores (or whole-row KVTensors) in one process:
-    every rank's file is read, every row applied, with the same checks and all-or-nothing."""
-    manifest = read_manifest_v2(Path(path))
+    """Load a version-2 checkpoint (its ``manifest`` already read) into plain stores (or
+    whole-row KVTensors) in one process: every rank's file is read, every row applied,
+    with the same checks and all-or-nothing."""
     bucketed = {}
-    for target in targets_of(tables, "load_checkpoint"):
+    for target in targets:
         if target.view is not None and target.view.read_only:
             continue  # the optimizer's view: its rows arrive inside the whole rows
         saved = manifest["tables"].get(target.name, {}).get("bucketing") or {
@@ -382,4 +323,4 @@ def load_into_plain(
             "bucket_size": None,
         }
         bucketed[target.name] = BucketedTable(target.store, saved["buckets"], saved["bucket_size"])
-    return load_sharded(path, bucketed, process_group=None, **kwargs)
+    return load_sharded(path, bucketed, process_group=None, chunk_bytes=chunk_bytes, manifest=manifest)

@@ -167,7 +167,9 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
     @torch.compiler.disable  # collectives and the Python store: a graph break, the rest of a model compiles
     def forward(self, features) -> KeyedTensor:
         """Pool this rank's batch; rows come from (and gradients go to) their owners."""
-        batch, inputs = table_inputs(features, self._table_features, weighted=self._is_weighted)
+        shape, inputs = table_inputs(
+            features, self._table_features, weighted=self._is_weighted, variable_batch=False
+        )
         prepared = {
             table: self.embedding_bags[table].prepare_batch(ids, offsets, weights)
             for table, (ids, offsets, weights) in inputs.items()
@@ -175,7 +177,7 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
         outputs = _ShardedLookup.apply(anchor, self, prepared)
         self.exchange_stats["steps"] += 1
-        return self._keyed(batch, dict(zip(prepared, outputs, strict=True)))
+        return self._keyed(shape, dict(zip(prepared, outputs, strict=True)))
 
     # -- checkpoints ----------------------------------------------------------------
 

@@ -20,6 +20,12 @@ duplicate ids, header stamps, eviction boundaries, checkpoint bytes and the drop
 details. ``WrapperConformance`` (fixture ``wrap``) and ``ZeroConformance`` (fixture
 ``make_optimizer``) do the same for activation wrappers and ZeRO-like optimizers. See
 ``spec/testing.md`` for a worked example.
+
+The hypothesis strategies the state machine draws from are public too (``ids``,
+``colliding_ids``, ``id_batches``, ``dims``, ``dtypes``, ``state_dims``, ``layouts``,
+``counts``, ``evictions``, ``out_buffers``): inputs weighted to the int64 edges, hash
+collisions, duplicates and padding, wide and odd dims, saturating counts and exact
+eviction boundaries, for a user's own tests as for leanstate's differential ones.
 """
 
 from __future__ import annotations
@@ -30,13 +36,31 @@ from pathlib import Path
 import hypothesis
 import pytest
 import torch
-from hypothesis import strategies as st
-from hypothesis.database import ExampleDatabase
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
+from leanstate._store_machine import (
+    Clock,
+    StoreMachine,
+    first_cell,
+    reference_store,
+    row_difference,
+    run_store_machine,
+    same_bits,
+)
+from leanstate._strategies import (
+    ID_EDGES,
+    colliding_ids,
+    counts,
+    dims,
+    dtypes,
+    evictions,
+    id_batches,
+    ids,
+    layouts,
+    out_buffers,
+    state_dims,
+)
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
-from leanstate.kv_store import KVStore
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
 
 __all__ = [
@@ -44,264 +68,29 @@ __all__ = [
     "StoreMachine",
     "WrapperConformance",
     "ZeroConformance",
+    "colliding_ids",
+    "counts",
+    "dims",
+    "dtypes",
+    "evictions",
+    "id_batches",
+    "ids",
+    "layouts",
+    "out_buffers",
     "row_difference",
     "run_store_machine",
     "same_bits",
+    "state_dims",
 ]
 
 DIM, STATE = 5, 2
-# A small id pool (hits, misses and duplicates are common) and the int64 edges: the
-# largest ids once passed every differential test while a mirror lost one of them.
-_EDGES = (0, 1, 2**62, 2**63 - 2, 2**63 - 1)
-_POOL = st.integers(-2, 40) | st.sampled_from(_EDGES)
-_IDS = st.lists(_POOL, min_size=0, max_size=16)
-_FLOATS = st.integers(-8, 8).map(lambda x: x / 4)  # exact in every dtype
-
-
-def row_difference(mine: torch.Tensor, reference: torch.Tensor, ids, layout: RowLayout) -> str | None:
-    """Where two batches of whole rows first differ, in words (the id, and the header field
-    or the weight or state column), or None when they are bit-identical."""
-    if mine.shape != reference.shape or mine.dtype != reference.dtype:
-        return f"rows of shape {tuple(mine.shape)} {mine.dtype}, the reference {tuple(reference.shape)} {reference.dtype}"
-    ids = torch.as_tensor(ids).tolist()
-    mine_words, ref_words = header_words(mine.contiguous()), header_words(reference.contiguous())
-    fields = ("timestamp", "count", "used")
-    for row, key in enumerate(ids):
-        if int(mine_words[row, 0]) != int(ref_words[row, 0]):
-            return f"id {key}: header key {int(mine_words[row, 0])}, the reference {int(ref_words[row, 0])}"
-        got, want = (unpack_metadata(w[row : row + 1, 1]) for w in (mine_words, ref_words))
-        for name, a, b in zip(fields, got, want):
-            if int(a) != int(b):
-                return f"id {key}: header {name} {int(a)}, the reference {int(b)}"
-        a, b = (r[row].contiguous().view(_INTEGER_OF_SIZE[r.element_size()]) for r in (mine, reference))
-        for column in torch.nonzero(a != b).flatten().tolist():
-            if column < layout.weight_offset:
-                continue
-            part, index = (
-                ("weight", column - layout.weight_offset)
-                if column < layout.state_offset
-                else ("state", column - layout.state_offset)
-            )
-            if part == "weight" and index >= layout.dim:
-                part = "weight padding"
-            value, expected = mine[row, column].item(), reference[row, column].item()
-            return f"id {key}: {part} column {index} is {value}, the reference {expected}"
-    return None
-
-
-_INTEGER_OF_SIZE = {
-    1: torch.uint8,
-    2: torch.int16,
-    4: torch.int32,
-    8: torch.int64,
-}  # compare bits, not values
-
-
-def _shown(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"tensor({value.tolist()})" if value.numel() <= 24 else f"tensor of shape {tuple(value.shape)}"
-    return repr(value)
-
-
-def _first_cell(reference: torch.Tensor, mine: torch.Tensor, ids) -> str:
-    """The first position where two results differ, naming the id of its row."""
-    if reference.shape != mine.shape or reference.dtype != mine.dtype:
-        return f"shape {tuple(mine.shape)} {mine.dtype}, the reference {tuple(reference.shape)} {reference.dtype}"
-    bits = _INTEGER_OF_SIZE[reference.element_size()]
-    where = torch.nonzero(reference.contiguous().view(bits) != mine.contiguous().view(bits))
-    if len(where) == 0:
-        return "no difference"
-    row, *column = where[0].tolist()
-    key = ids[row] if row < len(ids) else row
-    at = f"id {key}" + (f", column {column[0]}" if column else "")
-    return f"{at}: {mine[tuple(where[0].tolist())].item()}, the reference {reference[tuple(where[0].tolist())].item()}"
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit equality of two tensors (headers read as floats may be NaN)."""
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    )
-
-
-class _Clock:
-    """A settable clock in whole seconds: both stores see the same time."""
-
-    def __init__(self, now: int = 1_700_000_000) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
-
-
-def _reference(dim: int, **options) -> KVStore:
-    return KVStore(dim, backend="reference", **options)
-
-
-class StoreMachine(RuleBasedStateMachine):
-    """Random operations on the store under test (``make_store``) and on the reference; every
-    result compared bit for bit (values, whole rows with headers, metadata, keys, evicted ids)."""
-
-    make_store = staticmethod(_reference)
-
-    @initialize(
-        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**64 - 1)
-    )
-    def start(self, dtype, seed):
-        self.clock = _Clock(10)
-        self.layout = RowLayout(DIM, STATE, dtype)
-        options = dict(optimizer_state_dim=STATE, dtype=dtype, seed=seed, clock=self.clock)
-        self.ref = _reference(DIM, **options)
-        self.mine = self.make_store(DIM, **options)
-        self.ops = [f"a {dtype} store, seed {seed}"]
-
-    def both(self, method, *args, **kwargs):
-        shown = [_shown(a) for a in args] + [f"{k}={_shown(v)}" for k, v in kwargs.items()]
-        self.ops.append(f"{method}({', '.join(shown)})")
-        return getattr(self.ref, method)(*args, **kwargs), getattr(self.mine, method)(*args, **kwargs)
-
-    def fail(self, what: str) -> None:
-        """Raise naming what differs and the operations that led there."""
-        steps = "\n  ".join(self.ops[-12:])
-        raise AssertionError(f"{what}\nafter (the last {min(12, len(self.ops))} operations):\n  {steps}")
-
-    @rule(ids=_IDS, offset=st.integers(0, 8), data=st.data())
-    def set(self, ids, offset, data):
-        width = data.draw(st.integers(0, self.layout.value_width - offset))
-        flat = data.draw(st.lists(_FLOATS, min_size=width * len(ids), max_size=width * len(ids)))
-        values = torch.tensor(flat, dtype=self.layout.dtype).reshape(len(ids), width)
-        self.both("set", torch.tensor(ids, dtype=torch.int64), values, width_offset=offset)
-
-    @rule(ids=_IDS, offset=st.integers(0, 8), data=st.data())
-    def get(self, ids, offset, data):
-        width = data.draw(st.none() | st.integers(0, self.layout.value_width - offset))
-        a, b = self.both("get", torch.tensor(ids, dtype=torch.int64), width_offset=offset, width=width)
-        if not same_bits(a, b):
-            self.fail(
-                f"get(ids={ids}, width_offset={offset}, width={width}) differs: {_first_cell(a, b, ids)}"
-            )
-
-    @rule(ids=_IDS)
-    def reads(self, ids):
-        ids = torch.tensor(ids, dtype=torch.int64)
-        for method in ("get_rows", "metadata", "contains"):
-            a, b = self.both(method, ids)
-            if method == "get_rows" and not same_bits(b, a):
-                self.fail(f"get_rows: {row_difference(b, a, ids, self.layout)}")
-            if not same_bits(a, b):
-                self.fail(f"{method}({ids.tolist()}) differs: {_first_cell(a, b, ids.tolist())}")
-
-    @rule(
-        ids=st.lists(st.integers(0, 40) | st.sampled_from(_EDGES), max_size=8),
-        stamps=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=8),
-        counts=st.lists(st.integers(0, COUNT_MAX), min_size=8, max_size=8),
-        fill=_FLOATS,
-        used=st.booleans(),
-    )
-    def set_rows(self, ids, stamps, counts, fill, used):
-        rows = torch.full((len(ids), self.layout.width), fill, dtype=self.layout.dtype)
-        header_words(rows)[:, 0] = torch.tensor(ids, dtype=torch.int64)
-        header_words(rows)[:, 1] = pack_metadata(
-            torch.tensor(stamps[: len(ids)]), torch.tensor(counts[: len(ids)]), torch.full((len(ids),), used)
-        )
-        before = rows.clone()  # a copy: an alias would change with the rows it guards
-        self.both("set_rows", rows)
-        if not same_bits(rows, before):
-            self.fail("set_rows wrote into the caller's rows (it must copy them)")
-
-    @rule(ids=_IDS)
-    def delete(self, ids):
-        a, b = self.both("delete", torch.tensor(ids, dtype=torch.int64))
-        if a != b:
-            self.fail(f"delete({ids}) returned {b}, the reference {a} (the count of ids removed)")
-
-    @rule(seconds=st.integers(0, 50))
-    def tick(self, seconds):
-        self.clock.now += seconds
-
-    @precondition(lambda self: len(self.ref) > 0)
-    @rule(
-        min_count=st.none() | st.integers(0, 3),
-        max_age_s=st.none() | st.integers(0, 60),
-        min_l2_norm=st.none() | st.sampled_from([0.0, 0.01, 1.0]),
-        max_rows=st.none() | st.integers(0, 20),
-    )
-    def evict(self, min_count, max_age_s, min_l2_norm, max_rows):
-        policy = dict(min_count=min_count, max_age_s=max_age_s, min_l2_norm=min_l2_norm, max_rows=max_rows)
-        a, b = self.both("evict", **policy)
-        if not torch.equal(a, b):
-            self.fail(f"evict({policy}) evicted ids {b.tolist()}, the reference {a.tolist()}")
-
-    @rule(lo=st.integers(-5, 45) | st.sampled_from(_EDGES), span=st.integers(0, 50) | st.just(2**63))
-    def keys_in_range(self, lo, span):
-        hi = min(lo + span, 2**63)  # up to the end of the id space
-        a, b = self.both("keys_in_range", lo, hi)
-        if not torch.equal(a, b):
-            self.fail(f"keys_in_range({lo}, {hi}) gave {b.tolist()}, the reference {a.tolist()}")
-
-    @invariant()
-    def same_rows(self):
-        if hasattr(self, "ref"):
-            keys = self.ref.keys()
-            mine = self.mine.keys()
-            if not torch.equal(keys, mine):
-                self.fail(f"keys() gave {mine.tolist()}, the reference {keys.tolist()} (ids, ascending)")
-            if len(self.ref) != len(self.mine):
-                self.fail(f"len() is {len(self.mine)}, the reference {len(self.ref)}")
-            difference = row_difference(self.mine.get_rows(keys), self.ref.get_rows(keys), keys, self.layout)
-            if difference is not None:
-                self.fail(f"whole rows differ: {difference}")
-
-
-def run_store_machine(
-    make_store, examples: int = 60, steps: int = 30, *, settings: hypothesis.settings | None = None
-) -> None:
-    """Run :class:`StoreMachine` on ``make_store``; raises on the first difference (shrunk).
-
-    ``settings`` (hypothesis's) replace ``examples`` and ``steps`` when given (a seed,
-    a profile's database, ``derandomize``...). Each store keeps its own failing examples
-    in hypothesis's database, keyed by ``make_store``'s name, so one store's failure is
-    replayed on that store, not on the next one checked.
-    """
-    name = getattr(make_store, "__qualname__", type(make_store).__qualname__)
-    module = getattr(make_store, "__module__", "")
-    machine = type(
-        f"StoreMachineFor[{module}.{name}]", (StoreMachine,), {"make_store": staticmethod(make_store)}
-    )
-    chosen = settings or hypothesis.settings(max_examples=examples, stateful_step_count=steps, deadline=None)
-    if chosen.database is not None:
-        chosen = hypothesis.settings(chosen, database=_KeyedDatabase(chosen.database, f"{module}.{name}"))
-    machine.TestCase.settings = chosen
-    machine.TestCase().runTest()
-
-
-class _KeyedDatabase(ExampleDatabase):
-    """``database`` with every key prefixed by ``prefix``: the state machines of different
-    stores share one test function, so hypothesis would give them one key."""
-
-    def __init__(self, database: ExampleDatabase, prefix: str) -> None:
-        super().__init__()
-        self.database, self.prefix = database, prefix.encode() + b":"
-
-    def save(self, key: bytes, value: bytes) -> None:
-        self.database.save(self.prefix + key, value)
-
-    def fetch(self, key: bytes):
-        return self.database.fetch(self.prefix + key)
-
-    def delete(self, key: bytes, value: bytes) -> None:
-        self.database.delete(self.prefix + key, value)
-
-    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-        self.database.move(self.prefix + src, self.prefix + dest, value)
 
 
 class KVStoreConformance:
     """Checks for a KV store; a subclass provides the fixture ``make_store`` (see the module)."""
 
     examples = 60  # hypothesis examples of the state machine
+    max_dim = 300  # the widest store the state machine draws
     settings: hypothesis.settings | None = None  # or hypothesis settings for the machine (a seed, a profile)
 
     def _pair(self, make_store, **options):
@@ -309,18 +98,18 @@ class KVStoreConformance:
             "optimizer_state_dim": STATE,
             "dtype": torch.float32,
             "seed": 7,
-            "clock": _Clock(),
+            "clock": Clock(),
             **options,
         }
-        return _reference(DIM, **options), make_store(DIM, **options), options["clock"]
+        return reference_store(DIM, **options), make_store(DIM, **options), options["clock"]
 
     def test_random_operations_match_the_reference(self, make_store):
-        run_store_machine(make_store, self.examples, settings=self.settings)
+        run_store_machine(make_store, self.examples, max_dim=self.max_dim, settings=self.settings)
 
     def test_missing_ids_read_their_initial_rows(self, make_store):
         for seed in (0, 7, 2**63 + 5):
             ref, mine, _ = self._pair(make_store, seed=seed)
-            ids = torch.tensor([0, 1, 17, 2**40 + 3, 2**63 - 1])
+            ids = torch.tensor([17, 2**40 + 3, *ID_EDGES])
             assert same_bits(mine.get(ids), ref.get(ids)), (
                 f"initial rows (seed {seed}) differ from the reference"
             )
@@ -396,7 +185,7 @@ class KVStoreConformance:
                 save_checkpoint(Path(folder, name), {"t": store})
             theirs, ours = (Path(folder, n, "t.rows").read_bytes() for n in ("ref", "mine"))
             assert ours == theirs, "the whole-row checkpoint bytes differ from the reference's"
-            fresh = make_store(DIM, optimizer_state_dim=STATE, dtype=torch.float32, seed=1, clock=_Clock())
+            fresh = make_store(DIM, optimizer_state_dim=STATE, dtype=torch.float32, seed=1, clock=Clock())
             load_checkpoint(Path(folder, "ref"), {"t": fresh})
             assert same_bits(fresh.get_rows(ref.keys()), ref.get_rows(ref.keys())), (
                 "a loaded checkpoint's rows differ: set_rows must write each row by its header's key"
@@ -411,7 +200,7 @@ class KVStoreConformance:
         got = mine.get(ids, out=out)
         assert got.data_ptr() == out.data_ptr(), "get(out=) must return out itself, not a new tensor"
         assert same_bits(out, ref.get(ids)), (
-            f"get(out=) left out unfilled: {_first_cell(ref.get(ids), out, ids)}"
+            f"get(out=) left out unfilled: {first_cell(ref.get(ids), out, ids)}"
         )
         rows = torch.full((4, ref.layout.width), -9.0)
         got = mine.get_rows(ids, out=rows)
@@ -421,10 +210,10 @@ class KVStoreConformance:
 
     @pytest.mark.parametrize("dim", [1, 64, 65, 129, 300])
     def test_initial_rows_of_any_width(self, make_store, dim):
-        ids = torch.tensor([0, 9, 2**40 + 3, 2**63 - 1])
+        ids = torch.tensor([9, 2**40 + 3, *ID_EDGES])
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            options = dict(optimizer_state_dim=2, dtype=dtype, seed=11, clock=_Clock())
-            ref, mine = _reference(dim, **options), make_store(dim, **options)
+            options = dict(optimizer_state_dim=2, dtype=dtype, seed=11, clock=Clock())
+            ref, mine = reference_store(dim, **options), make_store(dim, **options)
             difference = row_difference(mine.get(ids), ref.get(ids), ids, RowLayout(dim, 0, dtype))
             assert difference is None, f"initial rows of a {dtype} store of dim {dim}: {difference}".replace(
                 "weight column", "column"
@@ -459,9 +248,9 @@ class KVStoreConformance:
     def test_eviction_to_a_row_budget_drops_least_used_then_oldest(self, make_store):
         ref, mine, clock = self._pair(make_store)
         for store in (ref, mine):  # ties in count, broken by timestamp against the id order
-            for now, ids in ((300, [1, 2]), (100, [8, 9]), (200, [5])):
+            for now, batch in ((300, [1, 2]), (100, [8, 9]), (200, [5])):
                 clock.now = now
-                store.set(torch.tensor(ids), torch.ones(len(ids), DIM))
+                store.set(torch.tensor(batch), torch.ones(len(batch), DIM))
         clock.now = 400
         for budget in (4, 2, 0):
             a, b = ref.evict(max_rows=budget), mine.evict(max_rows=budget)

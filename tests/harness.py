@@ -4,6 +4,7 @@ process groups. Test files import from here, never from each other."""
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -35,16 +36,35 @@ class FakeClock:
 # -- stores -------------------------------------------------------------------------------
 
 
-def check_backend(backend: str, examples: int = 80) -> None:
+def check_backend(backend: str, examples: int = 80, max_dim: int = 300) -> None:
     """Run the conformance kit's state machine on ``backend``'s stores against the reference
-    (shard counts vary with the seed)."""
+    (shard counts vary with the seed; dims up to ``max_dim``)."""
     from leanstate.kv_store import KVStore
     from leanstate.testing import run_store_machine
 
     def make_store(dim, *, seed, **options):
         return KVStore(dim, backend=backend, seed=seed, num_shards=1 + seed % 5, **options)
 
-    run_store_machine(make_store, examples=examples)
+    run_store_machine(make_store, examples=examples, max_dim=max_dim)
+
+
+def rewrite_dcp_item(path: Path, fqn: str, offset: int, change) -> None:
+    """In the DCP checkpoint at ``path``, replace the tensor stored for item ``fqn`` at row (or
+    element) ``offset`` by ``change(tensor)``, saved as DCP saves it, in place (the record
+    keeps its length)."""
+    from leanstate.dcp import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(path).read_metadata()
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn and k.offset[0] == offset)
+    file = path / info.relative_path
+    data = bytearray(file.read_bytes())
+    record = bytes(data[info.offset : info.offset + info.length])
+    tensor = change(torch.load(io.BytesIO(record), weights_only=True).clone())
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    assert len(buffer.getvalue()) == info.length, "the rewritten record must keep its length"
+    data[info.offset : info.offset + info.length] = buffer.getvalue()
+    file.write_bytes(bytes(data))
 
 
 # -- memory -------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ import itertools
 import statistics
 from pathlib import Path
 
+import torch
+
 import leanstate
 from leanstate import _backends
+from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
 from leanstate._tools.workloads import (
     CheckpointIO,
     EmbeddingStep,
@@ -25,7 +28,9 @@ from leanstate._tools.workloads import (
     zero_comparison,
 )
 
-DCP_TARGET = 0.8
+DCP_TARGETS = {"save": 0.85, "load": 0.8}  # DCP's save and load beside the whole-row ones
+V2_LOAD_TARGET = 0.8  # each rank's version-2 load beside a version-1 load of its rows
+TABLES_THREADS_TARGET = 1.5  # two tables' load on torch's threads beside one thread
 LEGEND = (
     "ratio: how many times better leanstate does than its peer, higher is better (peer time / "
     "leanstate time; peer cost / leanstate cost for memory, bytes and collectives; leanstate rate / "
@@ -107,6 +112,88 @@ def store_figures(
     return lines
 
 
+def checkpoint_figures(rows: int, dim: int, backends: list[str], rounds: int) -> list[tuple]:
+    """The checkpoint's I/O rows of the bench table for each store backend of ``backends``:
+    a whole-row save and load of ``rows`` rows beside a plain write and read of the same
+    bytes, the load beside the legacy load, DCP's save and load beside the whole-row ones,
+    the load at dim 16 beside its plain read (unless ``dim`` is 16), and a load of two
+    tables of ``rows // 2`` rows on torch's threads beside one thread. All figures of a
+    backend are interleaved in the same rounds."""
+    lines = []
+    threads = torch.get_num_threads()
+    for name in backends:
+        io = CheckpointIO(rows, dim, name)
+        narrow = CheckpointIO(rows, 16, name) if dim != 16 else None
+        tables = TablesLoad(2, rows // 2, dim, name)
+        try:
+            io.dcp_save()
+            for warm_up in (io.load, io.dcp_load, io.legacy_load, tables.load):  # imports, compiles
+                warm_up()
+            fns = {
+                "save": io.save,
+                "write": io.write_plain,
+                "load": io.load,
+                "read": io.read_plain,
+                "dcp save": io.dcp_save,
+                "dcp load": io.dcp_load,
+                "legacy load": io.legacy_load,
+                "tables load": tables.load,
+                "tables load, 1 thread": tables.load_one_thread,
+            }
+            if narrow is not None:
+                narrow.load()
+                fns |= {"load dim 16": narrow.load, "read dim 16": narrow.read_plain}
+            times = samples(fns, rounds)
+        finally:
+            for workload in (io, narrow, tables):
+                if workload is not None:
+                    workload.close()
+
+        figures = [  # measure, leanstate's side, the peer's name, its side, the target
+            (f"save {rows} rows s", "save", "plain write+fsync", "write", _target("kv_store", "save", name)),
+            (f"load {rows} rows s", "load", "plain read", "read", _target("kv_store", "load", name)),
+        ]
+        if narrow is not None:
+            load16 = _target("kv_store", "load_dim16", name)
+            figures.append(
+                (f"load {rows} rows s, dim 16", "load dim 16", "plain read", "read dim 16", load16)
+            )
+        figures.append(
+            (f"load {rows} rows s", "load", "legacy load (all rows held, then applied)", "legacy load", 1.0)
+        )
+        for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
+            figures.append((f"dcp {op} {rows} rows s", f"dcp {op}", f"whole-row {op}", op, DCP_TARGETS[op]))
+        figures.append(
+            (
+                f"load 2 tables x {rows // 2} rows s, {threads} threads",
+                "tables load",
+                "torch.set_num_threads(1)",
+                "tables load, 1 thread",
+                TABLES_THREADS_TARGET if threads > 1 else None,  # one thread cannot beat itself
+            )
+        )
+        for measure, ours, peer_name, peer, target in figures:
+            lines.append(_line("checkpoint", measure, name, times[ours], peer_name, times[peer], target))
+    return lines
+
+
+def _sharded_load_lines(ranks: list[dict], rows: int, backend: str) -> list[tuple]:
+    """The bench rows of :func:`sharded_load_comparison`'s ``ranks``: each rank's version-2
+    load of its share of a ``rows``-row table beside a version-1 load of the same rows."""
+    return [
+        _line(
+            "checkpoint",
+            f"v2 load s, rank {rank} of {len(ranks)} ({result['rows']} of {rows} rows)",
+            backend,
+            result["times"]["v2"],
+            "v1 load of its rows, 1 process",
+            result["times"]["v1"],
+            V2_LOAD_TARGET,
+        )
+        for rank, result in enumerate(ranks)
+    ]
+
+
 def report(
     rows: int = 200_000,
     dim: int = 128,
@@ -139,50 +226,9 @@ def report(
 
     engines = [b for b in _backends.available("kv_store") if b != "reference"]  # no targets
     lines.extend(store_figures(rows, dim, batch, backends=engines, rounds=rounds))
-    for name in engines:
-        io = CheckpointIO(checkpoint_rows, dim, name)
-        try:
-            io.dcp_save()
-            io.load()
-            times = samples(
-                {
-                    "save": io.save,
-                    "write": io.write_plain,
-                    "load": io.load,
-                    "read": io.read_plain,
-                    "dcp save": io.dcp_save,
-                    "dcp load": io.dcp_load,
-                    "legacy load": io.legacy_load,
-                },
-                rounds,
-            )
-        finally:
-            io.close()
-        for op, peer_name, peer in (("save", "plain write+fsync", "write"), ("load", "plain read", "read")):
-            target = _target("kv_store", op, name)
-            measure = f"{op} {checkpoint_rows} rows s"
-            add("checkpoint", measure, times[op], peer_name, times[peer], target, name=name)
-        legacy = "legacy load (all rows held, then applied)"
-        add(
-            "checkpoint",
-            f"load {checkpoint_rows} rows s",
-            times["load"],
-            legacy,
-            times["legacy load"],
-            1.0,
-            name=name,
-        )
-        for op in ("save", "load"):  # the same table through torch.distributed.checkpoint
-            mine = f"dcp {op}"
-            add(
-                "checkpoint",
-                f"{mine} {checkpoint_rows} rows s",
-                times[mine],
-                f"whole-row {op}",
-                times[op],
-                DCP_TARGET,
-                name=name,
-            )
+    lines.extend(checkpoint_figures(checkpoint_rows, dim, engines, rounds))
+    ranks = sharded_load_comparison(checkpoint_rows, dim, backend, rounds)
+    lines.extend(_sharded_load_lines(ranks, checkpoint_rows, backend))
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds

@@ -92,10 +92,8 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m leanstate`` and the ``leanstate`` script."""
-    parser = argparse.ArgumentParser(prog="leanstate", description=leanstate.__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_demo(commands) -> None:
+    """``leanstate demo``: the main job, on its built-in data."""
     demo = commands.add_parser(
         "demo", help="train a click model across gloo ranks, checkpoint, resume and reshard it, prove it"
     )
@@ -113,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-rows", type=int, default=1_000_000, help="rows of the table the load-memory proof loads"
     )
     demo.set_defaults(run=_demo)
-    commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
+
+
+def _add_bench(commands) -> None:
+    """``leanstate bench``: the table of figures beside their peers, the gate, comparisons and history."""
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
     bench.add_argument(
         "--rows", type=int, default=None, metavar="N", help="rows in each table (200,000; quick 100,000)"
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
     bench.add_argument(
-        "--quick", action="store_true", help="smaller sizes, fewer rounds, steps and ranks (~3 min)"
+        "--quick", action="store_true", help="smaller sizes, fewer rounds, steps and ranks (3-7 min)"
     )
     bench.add_argument("--check", action="store_true", help="exit 1 if any target is missed in every round")
     bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
@@ -165,13 +166,25 @@ def main(argv: list[str] | None = None) -> int:
         "--history", nargs="*", default=[], metavar="JSON", help="bench --json files for --html"
     )
     bench.set_defaults(run=_bench)
+
+
+def _add_inspect(commands) -> None:
+    """``leanstate inspect PATH``."""
     inspect = commands.add_parser("inspect", help="print a checkpoint's manifest and verify every chunk")
     inspect.add_argument("path", help="the checkpoint directory")
     inspect.set_defaults(run=_inspect)
+
+
+def _add_verify(commands) -> None:
+    """``leanstate verify``."""
     verify = commands.add_parser("verify", help="check every installed backend against the reference")
     verify.add_argument("--backend", default=None, help="only this backend's checks")
     verify.add_argument("--quick", action="store_true", help="fewer random workloads (about a minute)")
     verify.set_defaults(run=_verify)
+
+
+def _add_convert(commands) -> None:
+    """``leanstate convert SRC DST``."""
     convert = commands.add_parser(
         "convert", help="convert a whole-row checkpoint to torch.distributed.checkpoint (DCP) or back"
     )
@@ -179,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("target", help="the directory to write, in the other format")
     convert.add_argument("--force", action="store_true", help="replace the target if it exists")
     convert.set_defaults(run=_convert)
+
+
+def _add_gpu_check(commands) -> None:
+    """``leanstate gpu-check``."""
     gpu = commands.add_parser(
         "gpu-check", help="the GPU bench and the gpu-marked tests (needs a CUDA device, or --simulate)"
     )
@@ -189,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         "--simulate", action="store_true", help="run the same script in numba's CUDA simulator, at tiny sizes"
     )
     gpu.set_defaults(run=_gpu_check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m leanstate`` and the ``leanstate`` script."""
+    parser = argparse.ArgumentParser(prog="leanstate", description=leanstate.__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo(commands)
+    commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
+    for add in (_add_bench, _add_inspect, _add_verify, _add_convert, _add_gpu_check):
+        add(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

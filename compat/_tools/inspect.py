@@ -6,12 +6,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from leanstate._checkpoint_files import read_manifest
 from leanstate._checkpoint_format import DTYPES, MANIFEST
 from leanstate.checkpoint import verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.sharding import describe_bucketing
-from leanstate.sharded_checkpoint import read_manifest_v2, verify_sharded
+from leanstate.sharded_checkpoint import verify_sharded
 
 
 def main(path: str) -> int:
@@ -99,12 +100,12 @@ def _sharded(path: str, manifest: dict) -> int:
 def _native(path: str) -> int:
     """``inspect`` of a whole-row checkpoint (version 1 or 2)."""
     try:
-        manifest = read_manifest_v2(Path(path))
+        version, manifest = read_manifest(Path(path))
     except (OSError, CheckpointError) as exc:
         print(f"BAD: {exc}")
         return 1
-    print(f"{path}: {manifest['format']} version {manifest['version']}")
-    if manifest["version"] == 2:
+    print(f"{path}: {manifest['format']} version {version}")
+    if version == 2:
         return _sharded(path, manifest)
     for name, t in manifest["tables"].items():
         print(

@@ -524,6 +524,3 @@ def threads_under_load(rounds: int) -> dict[str, list[float]]:
     finally:
         busy.kill()
         busy.wait()
-
-
-# DCP save and load throughput against the native whole-row format's, in the same run.

@@ -14,7 +14,8 @@ changes no store on any rank when any chunk on any rank is bad. See ``spec/dcp.m
 
 One idea a module: ``_state`` (what a state dict holds), ``_sources`` (rows to save),
 ``_save_planner``, ``_load_planner``, ``_reader`` (the safe reader), ``_transaction``
-(save and load, all or nothing) and ``_convert``.
+(save and load, all or nothing), ``_migrate`` (plain tables, TorchRec's, loaded as KV
+rows) and ``_convert``.
 
 Example (on every rank)::
 
@@ -25,10 +26,11 @@ Example (on every rank)::
 
 from leanstate.dcp._convert import convert
 from leanstate.dcp._load_planner import KVLoadPlanner
+from leanstate.dcp._migrate import load
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._save_planner import KVSavePlanner
 from leanstate.dcp._save_planner import refuse_stock_planner as _refuse_stock_planner  # noqa: F401 (pickled by this name)
 from leanstate.dcp._state import INDEX_KEY
-from leanstate.dcp._transaction import load, save
+from leanstate.dcp._transaction import save
 
 __all__ = ["INDEX_KEY", "KVLoadPlanner", "KVSavePlanner", "SafeFileSystemReader", "convert", "load", "save"]

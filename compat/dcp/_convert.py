@@ -83,10 +83,10 @@ def convert(
     """
     source, target = Path(source), Path(target)
     if (source / MANIFEST).is_file():
-        manifest = read_manifest(source)
-        if manifest["version"] != FORMAT_VERSION:
+        version, manifest = read_manifest(source)
+        if version != FORMAT_VERSION:
             raise CheckpointError(
-                f"convert: {source} is a version-{manifest['version']} (sharded) checkpoint; load it into a "
+                f"convert: {source} is a version-{version} (sharded) checkpoint; load it into a "
                 "sharded module and save it with leanstate.dcp.save"
             )
         state: dict[str, object] = {

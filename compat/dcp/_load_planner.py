@@ -4,6 +4,7 @@ one's CRC-32C, id order and id range checked before its rows are applied."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from leanstate._checkpoint_chunks import in_saving_order
 from leanstate._checkpoint_format import check_layout
 from leanstate.dcp._state import (
     CRC,
@@ -34,6 +36,7 @@ from leanstate.dcp._state import (
     split_state,
 )
 from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.kv_store import ReadsInPlace
 from leanstate.reference.sharding import BucketedTable, bucket_of, owner_of_bucket
 
 
@@ -48,8 +51,17 @@ class _Job:
     crc: torch.Tensor  # the saved CRC of every chunk, as read
     crc_read: torch.Tensor  # which of them have been read
     computed: dict[int, int]  # chunk -> CRC of the bytes read, not yet compared
+    # chunk -> its first and last row in saving order, as (bucket, id): chunks read must
+    # follow each other in that order (a row repeating the chunk before's last id is damage)
+    ends: dict[int, tuple[tuple[int, int], tuple[int, int]]] = dataclasses.field(default_factory=dict)
     expected_rows: int = 0  # about the rows this rank applies: what an empty store reserves
     reserved: bool = False
+    # Read in place (an empty store whose engine offers it, every planned row this rank's):
+    engine: ReadsInPlace | None = None
+    first: int = 0  # the first claimed block
+    slots: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk -> its first block - first
+    adopted: set[int] = dataclasses.field(default_factory=set)
+    unlock: contextlib.ExitStack | None = None
 
 
 class KVLoadPlanner(DefaultLoadPlanner):
@@ -68,15 +80,28 @@ class KVLoadPlanner(DefaultLoadPlanner):
     before it applies any into stores that already hold rows, with a
     ``verify_only=True`` planner, which reads and checks the KV chunks and changes
     nothing (no row applied, no dense entry read).
+
+    ``in_place`` (the stores are empty on every rank; :func:`load` decides): a table whose
+    store offers ``rows_in_place()`` and whose planned chunks hold only this rank's rows
+    is read straight into blocks its engine claims and adopted chunk by chunk, as the
+    whole-row load does (``leanstate._checkpoint_load``); :meth:`close` gives back the
+    blocks a failed load did not adopt and releases the engine.
     """
 
     def __init__(
-        self, *, process_group: dist.ProcessGroup | None = None, verify_only: bool = False, **kwargs
+        self,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        verify_only: bool = False,
+        in_place: bool = False,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.process_group = process_group
         self.verify_only = verify_only
+        self.in_place = in_place and not verify_only
         self.stats: dict[str, dict[str, int]] = {}
+        self._jobs: dict[str, _Job] = {}
 
     def set_up_planner(
         self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -139,10 +164,11 @@ class KVLoadPlanner(DefaultLoadPlanner):
         self._committed = 0
         super().set_up_planner(dense, metadata, is_coordinator)
 
-    def _may_own(self, entry: Entry, schema: dict, chunk: list) -> bool:
-        """Whether ``chunk`` can hold ids this rank owns (by its bucket or id range)."""
+    def _owners(self, entry: Entry, schema: dict, chunk: list) -> tuple[int, int]:
+        """The lowest and highest rank that may own ids of ``chunk`` (by its buckets or id
+        range; every rank when neither tells)."""
         if entry.bucketing is None:
-            return True
+            return self._rank, self._rank
         buckets, size = entry.bucketing
         if schema["bucketing"] == [buckets, size]:
             first, last = chunk[FIRST_BUCKET], chunk[LAST_BUCKET]
@@ -152,11 +178,67 @@ class KVLoadPlanner(DefaultLoadPlanner):
                 for i in (MIN_ID, MAX_ID)
             )
         else:
-            return True
+            return 0, self._world - 1
         low, high = (
             owner_of_bucket(b, world_size=self._world, total_num_buckets=buckets) for b in (first, last)
         )
+        return low, high
+
+    def _may_own(self, entry: Entry, schema: dict, chunk: list) -> bool:
+        """Whether ``chunk`` can hold ids this rank owns."""
+        low, high = self._owners(entry, schema, chunk)
         return low <= self._rank <= high
+
+    def _plan_in_place(self, job: _Job) -> None:
+        """Whether ``job`` is read in place: its store offers it and every planned chunk holds
+        only this rank's rows. Blocks are claimed at the first chunk (:meth:`_slot`), once
+        the reader has compared every item's size with its file."""
+        rows_in_place = getattr(job.entry.store, "rows_in_place", None)
+        engine = rows_in_place() if rows_in_place is not None else None
+        chunks = [job.saved["chunks"][k] for k in job.chunks]
+        mine = (self._rank, self._rank)
+        if engine is None or not chunks:
+            return
+        if self._world > 1 and any(self._owners(job.entry, job.saved["schema"], c) != mine for c in chunks):
+            return  # a chunk holds other ranks' rows: filtered through set_rows
+        job.engine, at = engine, 0
+        for k, chunk in zip(job.chunks, chunks, strict=True):
+            job.slots[k] = at
+            at += chunk[NROWS]
+
+    def destination(self, read_item: ReadItem) -> torch.Tensor | None:
+        """Where a reader puts a KV chunk's bytes: the blocks claimed for it (``uint8 [n, R]``)
+        when its table is read in place, else None (the reader's own buffer)."""
+        job, _ = self._job_of(read_item.dest_index.fqn)
+        if job is None or job.engine is None:
+            return None
+        return self._slot(job, self._chunk_of(job, read_item))
+
+    def _slot(self, job: _Job, k: int) -> torch.Tensor:
+        """Chunk ``k``'s claimed blocks, as bytes; the first call claims the job's blocks and
+        holds its engine's write lock until :meth:`close`."""
+        if job.unlock is None:
+            job.unlock = contextlib.ExitStack()
+            job.unlock.enter_context(job.engine.writing())
+            job.first = job.engine.claim(sum(job.saved["chunks"][i][NROWS] for i in job.slots))
+        start = job.first + job.slots[k]
+        return job.engine.rows[start : start + job.saved["chunks"][k][NROWS]].view(torch.uint8)
+
+    def _chunk_of(self, job: _Job, read_item: ReadItem) -> int:
+        offset = read_item.dest_offsets[0]
+        return next(i for i in job.chunks if job.saved["chunks"][i][OFFSET] == offset)
+
+    def close(self) -> None:
+        """Give back the claimed blocks no chunk was adopted into (a failed load) and release
+        the engines. Idempotent; :func:`load` calls it after every load."""
+        for job in self._jobs.values():
+            if job.unlock is None:
+                continue
+            for k, start in job.slots.items():
+                if k not in job.adopted:
+                    job.engine.abandon(job.first + start, job.saved["chunks"][k][NROWS])
+            job.unlock.close()
+            job.unlock = None
 
     def create_local_plan(self) -> LoadPlan:
         plan = LoadPlan([]) if self.verify_only else super().create_local_plan()
@@ -175,6 +257,8 @@ class KVLoadPlanner(DefaultLoadPlanner):
             planned = sum(job.saved["chunks"][k][NROWS] for k in job.chunks)
             pruned = len(job.chunks) < len(job.saved["chunks"]) or self._world == 1
             job.expected_rows = planned if pruned else -(-planned // self._world)
+            if self.in_place:
+                self._plan_in_place(job)
         self._kv_items = len(meta) + len(rows)
         # The CRCs first: the reader reads a file's items in plan order, so each chunk's CRC
         # is known before the chunk arrives.
@@ -254,7 +338,7 @@ class KVLoadPlanner(DefaultLoadPlanner):
 
     def _commit_rows(self, job: _Job, read_item: ReadItem, rows: torch.Tensor) -> None:
         offset = read_item.dest_offsets[0]
-        k = next(i for i in job.chunks if job.saved["chunks"][i][OFFSET] == offset)
+        k = self._chunk_of(job, read_item)
         chunk = job.saved["chunks"][k]
         where = f"table {job.table!r}: chunk {k} (rows {offset}..{offset + chunk[NROWS]})"
         crc = crc_of(rows)
@@ -267,19 +351,32 @@ class KVLoadPlanner(DefaultLoadPlanner):
         schema = job.saved["schema"]
         layout = job.entry.store.layout
         ids = rows[:, :8].contiguous().view(torch.int64).flatten()
-        if schema["bucketing"] is None:
-            ascending = bool((ids[1:] > ids[:-1]).all())
-        else:
-            b = bucket_of(ids, total_num_buckets=schema["bucketing"][0], bucket_size=schema["bucketing"][1])
-            step = b[1:] - b[:-1]
-            ascending = bool(((step > 0) | ((step == 0) & (ids[1:] > ids[:-1]))).all())
+        ascending = in_saving_order(ids, schema["bucketing"])
         if not ascending or (int(ids.min()), int(ids.max())) != (chunk[MIN_ID], chunk[MAX_ID]):
             raise CheckpointError(
                 f"KVLoadPlanner: {where}: its ids are out of order or outside {chunk[MIN_ID]}..{chunk[MAX_ID]}"
             )
+        bucketing = schema["bucketing"]
+        edges = ids[[0, -1]]
+        buckets = (
+            [0, 0]
+            if bucketing is None
+            else bucket_of(edges, total_num_buckets=bucketing[0], bucket_size=bucketing[1]).tolist()
+        )
+        first, last = edges.tolist()
+        with self._lock:
+            job.ends[k] = ((buckets[0], first), (buckets[1], last))
         stats = self.stats[job.table]
         stats["chunks"] += 1
         if self.verify_only:
+            return
+        if job.engine is not None:  # read in place: index the claimed blocks by their keys
+            slot = self._slot(job, k)
+            if rows.data_ptr() != slot.data_ptr():  # (a reader that used its own buffer)
+                slot.copy_(rows)
+            job.engine.adopt(job.first + job.slots[k], len(rows))
+            job.adopted.add(k)
+            stats["rows"] += len(rows)
             return
         values = rows.view(layout.dtype)
         if job.entry.bucketing is not None:
@@ -297,7 +394,8 @@ class KVLoadPlanner(DefaultLoadPlanner):
         stats["rows"] += len(values)
 
     def _check_deferred(self) -> None:
-        """Compare the chunks that arrived before their CRC (another file's order)."""
+        """Once every chunk is in: compare the chunks that arrived before their CRC (another
+        file's order), and check that the chunks read follow each other in saving order."""
         for job in self._jobs.values():
             for k, crc in sorted(job.computed.items()):
                 if not bool(job.crc_read[k]) or crc != int(job.crc[k]):
@@ -306,6 +404,14 @@ class KVLoadPlanner(DefaultLoadPlanner):
                         "is corrupt"
                     )
             job.computed.clear()
+            read = sorted(job.ends)
+            for before, k in zip(read, read[1:]):
+                if job.ends[before][1] >= job.ends[k][0]:
+                    raise CheckpointError(
+                        f"KVLoadPlanner: table {job.table!r}: chunk {k} starts at id {job.ends[k][0][1]}, not "
+                        f"after chunk {before}'s last id {job.ends[before][1][1]} (ids must ascend across "
+                        "chunks, in saving order); the checkpoint is corrupt"
+                    )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

@@ -10,7 +10,6 @@ import os
 import pickle
 import stat
 import struct
-import threading
 import zipfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from leanstate._background import Behind
 from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.reference.checkpoint import CheckpointError
 
@@ -119,50 +119,68 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative, items in per_file.items():  # every file and size checked before any read
             self._check_sizes(Path(self.path) / relative, relative, items, planner)
-        for relative, items in per_file.items():
-            file = Path(self.path) / relative
-            with open(file, "rb") as f:
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    what = _describe(planner, item)
-                    if info.transform_descriptors:
-                        raise CheckpointError(
-                            f"{file}: {what} is stored transformed; SafeFileSystemReader reads plain items"
-                        )
-                    if (
-                        isinstance(planner, KVLoadPlanner)
-                        and planner.accepts_loaded(item)
-                        and not any(item.storage_offsets)
-                    ):
-                        rows = _read_stored_rows(f, info, item.lengths, file, what)
-                        planner.commit_loaded(item, rows)  # read straight into one reused buffer
-                        continue
-                    f.seek(info.offset)
-                    data = f.read(info.length)
-                    if len(data) != info.length:
-                        raise CheckpointError(f"{file}: {what} is truncated")
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(data))
-                        continue
-                    try:
-                        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                    except Exception as exc:
-                        raise CheckpointError(
-                            f"{file}: {what} cannot be read ({type(exc).__name__}: {exc}); the file is corrupt"
-                        ) from exc
-                    if not isinstance(tensor, torch.Tensor):
-                        raise CheckpointError(f"{file}: {what} holds a {type(tensor).__name__}, not a tensor")
-                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                        if start + length > tensor.size(dim):
-                            raise CheckpointError(f"{file}: {what} is smaller than its metadata says")
-                        tensor = tensor.narrow(dim, start, length)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
-                        raise CheckpointError(
-                            f"{file}: {what} has shape {tuple(tensor.size())}, expected {tuple(target.size())}"
-                        )
-                    target.copy_(tensor)
-                    planner.commit_tensor(item, target)
+        # A KV chunk's checks and apply run on a thread while the next chunk is read: at
+        # most one commit in flight, in plan order, its failure raised before a later one.
+        committer = Behind("leanstate-dcp-commit")
+        buffers: list[bytearray] = [bytearray(0), bytearray(0)]
+        try:
+            for relative, items in per_file.items():
+                file = Path(self.path) / relative
+                with open(file, "rb") as f:
+                    for item in items:
+                        info = self.storage_data[item.storage_index]
+                        what = _describe(planner, item)
+                        if info.transform_descriptors:
+                            raise CheckpointError(
+                                f"{file}: {what} is stored transformed; SafeFileSystemReader reads plain items"
+                            )
+                        if (
+                            isinstance(planner, KVLoadPlanner)
+                            and planner.accepts_loaded(item)
+                            and not any(item.storage_offsets)
+                        ):
+                            into = planner.destination(item)  # the store's claimed blocks, or None
+                            if into is None:  # two reused buffers: one being read, one committed
+                                into = _row_buffer(buffers, item.lengths)
+                            rows = _read_stored_rows(f, info, item.lengths, file, what, into)
+                            committer.submit(planner.commit_loaded, item, rows)
+                            continue
+                        f.seek(info.offset)
+                        data = f.read(info.length)
+                        if len(data) != info.length:
+                            raise CheckpointError(f"{file}: {what} is truncated")
+                        if item.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(item, io.BytesIO(data))
+                            continue
+                        try:
+                            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                        except Exception as exc:
+                            raise CheckpointError(
+                                f"{file}: {what} cannot be read ({type(exc).__name__}: {exc}); the file is corrupt"
+                            ) from exc
+                        if not isinstance(tensor, torch.Tensor):
+                            raise CheckpointError(
+                                f"{file}: {what} holds a {type(tensor).__name__}, not a tensor"
+                            )
+                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            if start + length > tensor.size(dim):
+                                raise CheckpointError(f"{file}: {what} is smaller than its metadata says")
+                            tensor = tensor.narrow(dim, start, length)
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != tensor.size():
+                            raise CheckpointError(
+                                f"{file}: {what} has shape {tuple(tensor.size())}, expected {tuple(target.size())}"
+                            )
+                        target.copy_(tensor)
+                        planner.commit_tensor(item, target)
+            committer.settle()
+        except BaseException:
+            failure = committer.failure()
+            if failure is not None:
+                raise failure from None  # it stands earlier in the file
+            raise
+        finally:
+            committer.close()  # no commit runs once the load is undone
         future: Future = Future()
         future.set_result(None)
         return future
@@ -221,12 +239,20 @@ class _Slice(io.RawIOBase):
         return n
 
 
-_ROW_BUFFERS = threading.local()
+def _row_buffer(buffers: list[bytearray], lengths) -> torch.Tensor:
+    """The next of two reused buffers in turn (the other may still be committed), as a
+    ``uint8 [n, R]`` chunk, grown if need be."""
+    n, r = lengths
+    buffers.reverse()
+    if len(buffers[0]) < n * r:
+        buffers[0] = bytearray(n * r)
+    return torch.frombuffer(buffers[0], dtype=torch.uint8, count=n * r).view(n, r)
 
 
-def _read_stored_rows(f, info, lengths, file: Path, what: str) -> torch.Tensor:
+def _read_stored_rows(f, info, lengths, file: Path, what: str, into: torch.Tensor) -> torch.Tensor:
     """The ``uint8 [n, R]`` tensor DCP stored for a KV chunk (a ``torch.save`` zip), read from its
-    uncompressed data record into a reused buffer: one copy, as the native load makes."""
+    uncompressed data record into ``into`` (a store's claimed blocks, or a reused buffer):
+    one copy, as the native load makes."""
     n, r = lengths
     try:
         records = zipfile.ZipFile(_Slice(f, info.offset, info.length)).infolist()
@@ -241,12 +267,9 @@ def _read_stored_rows(f, info, lengths, file: Path, what: str) -> torch.Tensor:
         raise CheckpointError(f"{file}: {what} has a broken record header; the file is corrupt")
     name_length, extra_length = struct.unpack("<2H", header[26:30])
     f.seek(info.offset + data[0].header_offset + 30 + name_length + extra_length)
-    buffer = getattr(_ROW_BUFFERS, "buffer", None)
-    if buffer is None or len(buffer) < n * r:
-        buffer = _ROW_BUFFERS.buffer = bytearray(n * r)
-    if f.readinto(memoryview(buffer)[: n * r]) != n * r:
+    if f.readinto(memoryview(into.numpy()).cast("B")) != n * r:
         raise CheckpointError(f"{file}: {what} is truncated")
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=n * r).view(n, r)
+    return into
 
 
 def _lstat_mode(file: Path) -> int:

@@ -36,20 +36,25 @@ from leanstate.reference.checkpoint import CheckpointError
 
 
 class _Refusal:
-    """What a table's key holds for DCP's stock planner: unpickled by ``DefaultLoadPlanner``
-    (which loads bytes with ``weights_only=False``), it raises the error naming the fix."""
+    """What a table's key (and each key of a view of it) holds for DCP's stock planner:
+    unpickled by ``DefaultLoadPlanner`` (which loads bytes with ``weights_only=False``), it
+    raises the error naming the fix."""
 
-    def __init__(self, fqn: str) -> None:
-        self.fqn = fqn
+    def __init__(self, fqn: str, view_of: str | None = None) -> None:
+        self.fqn, self.view_of = fqn, view_of
 
     def __reduce__(self):
-        return (refuse_stock_planner, (self.fqn,))
+        if self.view_of is None:  # the first format's pickle: loads in every version
+            return (refuse_stock_planner, (self.fqn,))
+        return (refuse_stock_planner, (self.fqn, self.view_of))
 
 
-def refuse_stock_planner(fqn: str) -> None:
-    """Raise the error for a leanstate KV table loaded by DCP's stock ``DefaultLoadPlanner``."""
+def refuse_stock_planner(fqn: str, view_of: str | None = None) -> None:
+    """Raise the error for a leanstate KV table (or a view of one, ``view_of`` the table) loaded
+    by DCP's stock ``DefaultLoadPlanner``."""
+    what = "a leanstate KV table" if view_of is None else f"a view of the leanstate KV table {view_of!r}"
     raise CheckpointError(
-        f"{fqn!r} is a leanstate KV table: the stock DefaultLoadPlanner would leave it unloaded. Load "
+        f"{fqn!r} is {what}: the stock DefaultLoadPlanner would leave it unloaded. Load "
         "with leanstate.dcp.load(...), or dcp.load(..., planner=leanstate.dcp.KVLoadPlanner(), "
         "storage_reader=leanstate.dcp.SafeFileSystemReader(path))"
     )
@@ -58,6 +63,13 @@ def refuse_stock_planner(fqn: str) -> None:
 # Saved checkpoints name this function in their pickles: its name stays where the first
 # format put it (``leanstate.dcp`` re-exports it there).
 refuse_stock_planner.__module__, refuse_stock_planner.__qualname__ = "leanstate.dcp", "_refuse_stock_planner"
+
+
+def _pickled(refusal: _Refusal) -> io.BytesIO:
+    buffer = io.BytesIO()
+    pickle.dump(refusal, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def _write_item(fqn: str, offsets, sizes, size, dtype: torch.dtype, *, shard: bool = True) -> WriteItem:
@@ -144,6 +156,10 @@ class KVSavePlanner(DefaultSavePlanner):
                 "chunks": source.chunks,
                 "sharded": self._sharded[fqn],
             }
+        if self.is_coordinator:  # a view's key too, or the stock planner fails on it as missing, unexplained
+            items.extend(
+                WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self._views
+            )
         planner_data = dict(plan.planner_data or {})
         planner_data[INDEX_KEY] = {"tables": local, "views": self._views}
         self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
@@ -224,6 +240,8 @@ class KVSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem):
         fqn, suffix = split_key(write_item.index.fqn)
+        if fqn in self._views:
+            return _pickled(_Refusal(fqn, self._views[fqn]["view_of"]))
         if fqn not in self._sources:
             return super().resolve_data(write_item)
         source = self._sources[fqn]
@@ -234,10 +252,7 @@ class KVSavePlanner(DefaultSavePlanner):
             return torch.tensor([self._crc_of(fqn, k) for k in range(len(source.chunks))], dtype=torch.int64)
         if suffix == SCHEMA:
             return torch.frombuffer(bytearray(json.dumps(self._schemas[fqn]).encode()), dtype=torch.uint8)
-        buffer = io.BytesIO()  # the table's own key: what the stock planner would load
-        pickle.dump(_Refusal(fqn), buffer)
-        buffer.seek(0)
-        return buffer
+        return _pickled(_Refusal(fqn))  # the table's own key: what the stock planner would load
 
     def _chunk(self, fqn: str, k: int) -> torch.Tensor:
         data = self._sources[fqn].read(k)

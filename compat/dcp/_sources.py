@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from leanstate._checkpoint_chunks import chunk_spans, gather, read_chunks, rows_per_chunk, saving_order
+from leanstate._checkpoint_chunks import (
+    TableRead,
+    chunk_spans,
+    gather,
+    read_chunks,
+    rows_per_chunk,
+    saving_order,
+)
 from leanstate.dcp._state import NROWS, OFFSET, NativeTable
 
 
@@ -58,9 +65,9 @@ class NativeRows:
 
     def read(self, k: int) -> torch.Tensor:
         """Chunk ``k``'s bytes as ``uint8 [n, R]``, verified."""
-        chunks = [(k, self.source.table["chunks"][k])]
+        read = TableRead.of_v1(self.source.name, self.source.table, [(k, self.source.table["chunks"][k])])
         data = bytearray()
-        for _, part in read_chunks(self.source.path, self.source.name, self.source.table, chunks, 2**62):
+        for _, _, part in read_chunks(self.source.path, read, 2**62):
             if part is not None:
                 data += part
         return torch.frombuffer(data, dtype=torch.uint8).view(-1, self.layout.row_bytes)

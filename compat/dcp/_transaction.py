@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from leanstate._checkpoint_files import publish
+from leanstate._checkpoint_load import load_all_or_nothing
 from leanstate._checkpoint_ranks import all_true, distributed, group_rank, staged_by_rank_0
 from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.dcp._reader import SafeFileSystemReader
@@ -95,40 +96,35 @@ def load(
     checkpoint_id: str | os.PathLike,
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, dict[str, int]]:
-    """``dcp.load`` into ``state_dict`` with :class:`KVLoadPlanner` and :class:`SafeFileSystemReader`,
-    all or nothing for the KV tables on every rank; returns the planner's ``stats``.
-
-    When every store is empty (on every rank) rows are applied as they are read and a
-    failure anywhere empties them again; otherwise every rank first verifies all its
-    chunks, the ranks agree, and only then does any rank apply. Call on every rank.
-    """
+    """The KV checkpoint's part of ``leanstate.dcp.load`` (``_migrate.load``, which adds
+    plain tables): ``dcp.load`` with :class:`KVLoadPlanner` inside the one load
+    transaction; the planner's ``stats``."""
     method = "leanstate.dcp.load"
     _, entries = split_state(state_dict, method)
     SafeFileSystemReader(checkpoint_id).read_metadata()  # a bad .metadata is named, not wrapped
     stores = list(
         {id(e.store): e.store for e in entries.values() if not (e.view and e.view.read_only)}.values()
     )
-    empty = all_true(all(len(store) == 0 for store in stores), process_group)
-    try:
-        if not empty:
-            check = KVLoadPlanner(process_group=process_group, verify_only=True)
-            kv_only = {}
-            for fqn, entry in entries.items():
-                kv_only[fqn] = entry.view if entry.view is not None else as_value(entry)
-            _load_with(kv_only, check, checkpoint_id, process_group)
-        planner = KVLoadPlanner(process_group=process_group)
-        _load_with(state_dict, planner, checkpoint_id, process_group)
-    except CheckpointException as exc:
-        if empty:
-            for store in stores:
-                store.delete(store.keys())
-        raise unwrap(exc, method, checkpoint_id) from None
-    except BaseException:
-        if empty:
-            for store in stores:
-                store.delete(store.keys())
-        raise
-    return planner.stats
+    planners = []
+
+    def verify() -> None:
+        kv_only = {
+            fqn: entry.view if entry.view is not None else as_value(entry) for fqn, entry in entries.items()
+        }
+        _load_with(
+            kv_only,
+            KVLoadPlanner(process_group=process_group, verify_only=True),
+            checkpoint_id,
+            process_group,
+        )
+
+    def apply(into_empty: bool) -> None:
+        planners.append(KVLoadPlanner(process_group=process_group, in_place=into_empty))
+        _load_with(state_dict, planners[-1], checkpoint_id, process_group)
+
+    group = process_group if process_group is not None or not distributed() else dist.group.WORLD
+    load_all_or_nothing(stores, verify, apply, group=group, method=method)
+    return planners[-1].stats
 
 
 @contextlib.contextmanager
@@ -140,11 +136,20 @@ def _quiet():
 
 
 def _load_with(state_dict, planner: KVLoadPlanner, checkpoint_id, process_group) -> None:
-    with _quiet():
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(checkpoint_id),
-            planner=planner,
-            process_group=process_group,
-            no_dist=not distributed(),
-        )
+    """``dcp.load`` with ``planner``; DCP's wrapped failure unwrapped to the first rank's error."""
+    try:
+        with _quiet():
+            dcp.load(
+                state_dict,
+                storage_reader=SafeFileSystemReader(checkpoint_id),
+                planner=planner,
+                process_group=process_group,
+                no_dist=not distributed(),
+            )
+    except CheckpointException as exc:
+        mine = exc.failures.get(group_rank(process_group)[0])
+        if mine is not None and isinstance(mine[0], KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ctrl-C here, not a damaged checkpoint
+        raise unwrap(exc, "leanstate.dcp.load", checkpoint_id) from None
+    finally:
+        planner.close()

@@ -1,8 +1,12 @@
-"""The saved-bytes claims of the wrapper benchmark, as exact results on a small stack."""
+"""The saved-bytes claims of the wrapper benchmark, as exact results on a small stack; the
+checkpoint rows of the bench table, each beside its peer with its target, in a tiny run."""
 
 import pytest
 import torch
 
+from leanstate import _backends
+from leanstate._tools import bench
+from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
 from leanstate._tools.workloads import WrapperStep
 
 
@@ -23,3 +27,85 @@ def test_checkpoint_saves_what_torch_saves_and_far_less_than_no_wrapper(saved):
     # the second layer's input and the output (the stack's input was allocated before)
     assert saved["checkpoint"] == 2 * activation + 2 * rng_state
     assert saved["checkpoint"] < saved["none"] / 4
+
+
+# -- the checkpoint rows: each beside its peer from the same rounds, with its stated target
+
+ROWS = 2000
+V2_ROWS = 200  # 200 buckets of one id: a version-2 file has a chunk per bucket
+
+
+def _rows_of(lines: list[tuple]) -> dict[tuple[str, str], dict]:
+    return {(row["measure"], row["peer"]): row for row in (dict(zip(bench.FIELDS, line)) for line in lines)}
+
+
+def _ratio_of_its_sides(row: dict) -> None:
+    # one round: the median ratio is that round's, peer time / leanstate time
+    assert row["ratios"] == [row["ratio"]]
+    assert row["ratio"] == row["peer value"] / row["leanstate"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_rows():
+    if "numba" not in _backends.available("kv_store"):
+        pytest.skip("the numba store is not available here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the two-table row's target holds where there are threads to use
+    try:
+        return _rows_of(bench.checkpoint_figures(ROWS, 8, ["numba"], rounds=1))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dcp_save_and_load_beside_the_whole_row_ones_with_their_own_targets(checkpoint_rows):
+    for op, target in (("save", ">= 0.85"), ("load", ">= 0.8")):
+        row = checkpoint_rows[(f"dcp {op} {ROWS} rows s", f"whole-row {op}")]
+        assert row["target"] == target, op
+        _ratio_of_its_sides(row)
+        # the peer is the whole-row figure of the same rounds, not a second measurement
+        peer = "plain write+fsync" if op == "save" else "plain read"
+        assert row["peer value"] == checkpoint_rows[(f"{op} {ROWS} rows s", peer)]["leanstate"]
+
+
+def test_the_load_at_dim_16_is_beside_a_plain_read_of_its_bytes(checkpoint_rows):
+    narrow = checkpoint_rows[(f"load {ROWS} rows s, dim 16", "plain read")]
+    assert narrow["target"] == ">= 0.6"
+    _ratio_of_its_sides(narrow)
+    wide = checkpoint_rows[(f"load {ROWS} rows s", "plain read")]  # the table's dim, beside it
+    assert wide["target"] == ">= 0.8"
+    assert list(checkpoint_rows).index((f"load {ROWS} rows s, dim 16", "plain read")) == (
+        list(checkpoint_rows).index((f"load {ROWS} rows s", "plain read")) + 1
+    )
+
+
+def test_two_tables_on_torchs_threads_beside_one_thread(checkpoint_rows):
+    row = checkpoint_rows[(f"load 2 tables x {ROWS // 2} rows s, 2 threads", "torch.set_num_threads(1)")]
+    assert row["target"] == ">= 1.5"
+    _ratio_of_its_sides(row)
+
+
+def test_the_two_table_load_fills_every_table_and_restores_the_thread_count():
+    tables = TablesLoad(2, 300, 8, None)
+    try:
+        threads = torch.get_num_threads()
+        for loaded in (tables.load(), tables.load_one_thread()):
+            assert sorted(loaded) == ["t0", "t1"]
+            assert [len(store) for store in loaded.values()] == [300, 300]
+            assert torch.get_num_threads() == threads
+    finally:
+        tables.close()
+
+
+def test_each_ranks_v2_load_is_beside_a_v1_load_of_the_same_rows():
+    ranks = sharded_load_comparison(V2_ROWS, 8, None, rounds=1)
+    assert len(ranks) == 2
+    # each rank holds its share (the worker checks that both loads left exactly it)
+    assert sum(r["rows"] for r in ranks) == V2_ROWS and all(0 < r["rows"] < V2_ROWS for r in ranks)
+    rows = _rows_of(bench._sharded_load_lines(ranks, V2_ROWS, "numba"))
+    for rank, r in enumerate(ranks):
+        row = rows[
+            (f"v2 load s, rank {rank} of 2 ({r['rows']} of {V2_ROWS} rows)", "v1 load of its rows, 1 process")
+        ]
+        assert row["target"] == ">= 0.8"
+        assert row["leanstate"] == r["times"]["v2"][0] and row["peer value"] == r["times"]["v1"][0]
+        _ratio_of_its_sides(row)

@@ -12,7 +12,8 @@ import crc32c
 import pytest
 import torch
 
-from leanstate._checkpoint_files import finish_removals, read_manifest
+from leanstate._background import finish_removals
+from leanstate._checkpoint_files import read_manifest
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -50,13 +51,13 @@ def test_round_trip_keeps_rows_and_metadata(tmp_path, dtype):
     extra = load_checkpoint(tmp_path / "ck", {"t": dst}, chunk_bytes=700)
     assert same(snapshot(src), snapshot(dst))
     assert extra["step"].item() == 7 and extra["lr"] == 0.5
-    assert len(read_manifest(tmp_path / "ck")["tables"]["t"]["chunks"]) > 10
+    assert len(read_manifest(tmp_path / "ck")[1]["tables"]["t"]["chunks"]) > 10
 
 
 def test_rows_are_stored_in_ascending_id_order_in_chunks(tmp_path):
     src = filled()
     save_checkpoint(tmp_path / "ck", {"t": src}, chunk_bytes=2000)
-    table = read_manifest(tmp_path / "ck")["tables"]["t"]
+    table = read_manifest(tmp_path / "ck")[1]["tables"]["t"]
     raw = (tmp_path / "ck" / "t.rows").read_bytes()
     rows = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(-1, table["width"])
     assert torch.equal(header_words(rows)[:, 0], src.keys())
@@ -71,7 +72,7 @@ def test_golden_checkpoint_loads_bit_exactly_and_saves_back_identically(tmp_path
     load_checkpoint(golden, {"t": store})
     raw = (golden / "t.rows").read_bytes()
     assert store.get_rows(store.keys()).numpy().tobytes() == raw
-    table = read_manifest(golden)["tables"]["t"]
+    table = read_manifest(golden)[1]["tables"]["t"]
     save_checkpoint(tmp_path / "again", {"t": store}, chunk_bytes=2 * table["row_bytes"])
     assert (tmp_path / "again" / "t.rows").read_bytes() == raw
 
@@ -100,10 +101,10 @@ def test_golden_bfloat16_crc32c_checkpoint_loads_and_saves_back_identically(tmp_
     load_checkpoint(golden, {"t": store})
     raw = (golden / "t.rows").read_bytes()
     assert store.get_rows(store.keys()).view(torch.uint8).numpy().tobytes() == raw
-    table = read_manifest(golden)["tables"]["t"]
+    table = read_manifest(golden)[1]["tables"]["t"]
     save_checkpoint(tmp_path / "again", {"t": store}, chunk_bytes=2 * table["row_bytes"])
     assert (tmp_path / "again" / "t.rows").read_bytes() == raw
-    assert read_manifest(tmp_path / "again")["tables"]["t"] == table  # crc32c, chunks, every field
+    assert read_manifest(tmp_path / "again")[1]["tables"]["t"] == table  # crc32c, chunks, every field
 
 
 def test_crc32c_is_the_castagnoli_crc_of_the_vectors(vectors):
@@ -160,7 +161,7 @@ def test_whole_row_views_and_read_only_optimizer_views(tmp_path):
     momentum = KVTensor(src, width_offset=src.layout.padded_dim, width=2, read_only=True)
     src.set(torch.tensor([100_000, 100_001]), torch.ones(2, 6))  # the store grows after the views
     save_checkpoint(tmp_path / "ck", {"t.weight": weight, "t.momentum": momentum})
-    manifest = read_manifest(tmp_path / "ck")
+    _, manifest = read_manifest(tmp_path / "ck")
     assert manifest["tables"]["t.weight"]["rows"] == 52
     assert manifest["views"]["t.momentum"] == {
         "table": "t.weight",

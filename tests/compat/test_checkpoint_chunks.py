@@ -11,14 +11,17 @@ import time
 import crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import leanstate
 from leanstate import _checkpoint_chunks
-from leanstate._checkpoint_chunks import ReadsInPlace, read_chunks
+from leanstate._checkpoint_chunks import TableRead, in_bucket, read_chunks
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.reference import checkpoint as reference_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.sharding import bucket_of
 from tests.harness import FakeClock
 
 CHUNK = 4096  # bytes: several chunks, each of several slices below
@@ -41,7 +44,7 @@ def same_rows(a: leanstate.KVStore, b: leanstate.KVStore) -> bool:
 def test_a_load_into_an_empty_numba_store_reads_in_place_and_equals_the_references(tmp_path, monkeypatch):
     save_checkpoint(tmp_path / "ck", {"t": filled("reference")}, chunk_bytes=CHUNK)
     store = leanstate.KVStore(6, optimizer_state_dim=2, backend="numba")
-    assert isinstance(store.engine, ReadsInPlace)
+    assert store.rows_in_place() is not None
 
     def no_staging(self, rows):
         raise AssertionError("an empty store's load went through set_rows")
@@ -105,14 +108,14 @@ def test_reading_one_slice_ahead_yields_what_reading_in_turn_yields_and_stops_it
     chunks = list(enumerate(table["chunks"]))
     plain = [
         (i, None if v is None else bytes(v))
-        for i, v in read_chunks(tmp_path / "ck", "t", table, chunks, 1000)
+        for i, _, v in read_chunks(tmp_path / "ck", TableRead.of_v1("t", table, chunks), 1000)
     ]
     ahead = [
         (i, None if v is None else bytes(v))
-        for i, v in read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True)
+        for i, _, v in read_chunks(tmp_path / "ck", TableRead.of_v1("t", table, chunks), 1000, ahead=True)
     ]
     assert ahead == plain and len(plain) > 2 * len(chunks)
-    partial = read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True)
+    partial = read_chunks(tmp_path / "ck", TableRead.of_v1("t", table, chunks), 1000, ahead=True)
     next(partial)
     partial.close()  # stopping early ends the reader thread
     assert not any(t.name == "leanstate-checkpoint-reader" for t in threading.enumerate())
@@ -125,7 +128,9 @@ def test_a_flipped_byte_read_ahead_is_raised_after_the_slices_before_it(tmp_path
     chunks = list(enumerate(table["chunks"]))
     verified = []
     with pytest.raises(CheckpointError, match=f"chunk {len(chunks) - 1} of"):
-        for index, view in read_chunks(tmp_path / "ck", "t", table, chunks, 1000, ahead=True):
+        for index, _, view in read_chunks(
+            tmp_path / "ck", TableRead.of_v1("t", table, chunks), 1000, ahead=True
+        ):
             if view is None:
                 verified.append(index)
     assert verified == list(range(len(chunks) - 1))
@@ -194,7 +199,7 @@ def test_a_failed_in_place_load_gives_back_exactly_its_own_blocks(tmp_path, monk
         with pytest.raises(CheckpointError, match="chunk"):
             load_checkpoint(tmp_path / "bad", {"t": store}, chunk_bytes=CHUNK // 4)
         assert len(store) == 0
-    assert isinstance(stores[0].engine, ReadsInPlace)
+    assert stores[0].rows_in_place() is not None
     fresh = torch.arange(0, 9000, 3)  # more ids than the blocks given back, with ids of the load
     for store in stores:
         store.set(fresh, torch.ones(len(fresh), 3), width_offset=2)  # the other columns: initial rows
@@ -231,3 +236,18 @@ def test_an_id_repeated_inside_a_chunk_is_refused_wherever_the_slices_cut(tmp_pa
         reference_checkpoint.load_checkpoint(
             tmp_path / "ck", {"t": leanstate.KVStore(6, optimizer_state_dim=2)}
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20),
+    buckets=st.integers(1, 5000),
+    size=st.one_of(st.none(), st.integers(1, 2**40)),
+    pick=st.integers(0, 19),
+)
+def test_the_chunk_check_reads_buckets_by_bucket_of(keys, buckets, size, pick):
+    """The version-2 chunk check's numpy bucket rule is ``bucket_of``'s, id for id."""
+    ids = torch.tensor(keys, dtype=torch.int64)
+    of = bucket_of(ids, total_num_buckets=buckets, bucket_size=size)
+    bucket = int(of[pick % len(keys)])
+    assert in_bucket(ids.numpy(), (buckets, size), bucket) == bool((of == bucket).all())

@@ -24,24 +24,32 @@ import leanstate
 from leanstate.kv_store import KVStore
 from leanstate.reference import checkpoint as reference
 from leanstate.reference.kv_tensor import KVTensor
+from leanstate.reference.row_format import header_words, pack_metadata, unpack_metadata
+from leanstate.testing import counts, id_batches, layouts
 from tests.harness import VECTORS, FakeClock
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @st.composite
 def tables(draw):
-    """A store with random rows (some deleted, some with a second write), and how to save it."""
+    """A store with random rows (among them the int64 edges and colliding ids; some deleted,
+    some with a second write, some with saturating counts), and how to save it."""
     n = draw(st.integers(0, 120))
-    dim = draw(st.integers(1, 40))
-    state = draw(st.integers(0, 2))
-    dtype = draw(st.sampled_from(DTYPES))
+    layout = draw(layouts())
+    dim, state, dtype = layout.dim, layout.state_dim, layout.dtype
     backend = draw(st.sampled_from(["reference", "numba", "torch"]))
     seed = draw(st.integers(0, 2**16))
     store = KVStore(dim, optimizer_state_dim=state, dtype=dtype, clock=FakeClock(seed), backend=backend)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randperm(4 * n + 1, generator=generator)[:n] * draw(st.sampled_from([1, 7919, 2**40]))
+    ids = torch.unique(torch.cat([ids, torch.tensor(draw(id_batches(max_size=6)), dtype=torch.int64)]))
+    n = len(ids)
+    ids = ids[torch.randperm(n, generator=generator)]
     store.set(ids, torch.randn(n, dim, generator=generator).to(dtype))
+    counted = draw(st.lists(counts(), max_size=min(n, 3)))
+    rows = store.get_rows(ids[: len(counted)])
+    stamps, _, used = unpack_metadata(header_words(rows)[:, 1])
+    header_words(rows)[:, 1] = pack_metadata(stamps, torch.tensor(counted, dtype=torch.int64), used)
+    store.set_rows(rows)
     again = draw(st.integers(0, n))
     store.set(ids[:again], torch.randn(again, dim, generator=generator).to(dtype))
     deleted = draw(st.integers(0, n))

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from leanstate import _checkpoint_files
-from leanstate._checkpoint_files import finish_removals, read_manifest
+from leanstate import _background, _checkpoint_files
+from leanstate._background import finish_removals
+from leanstate._checkpoint_files import read_manifest
 from leanstate._tools.cli import main as leanstate_main
 from leanstate._tools.ranks import forked
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
@@ -217,7 +218,7 @@ def test_a_sound_checkpoint_verifies_and_loads_its_extra(saved, capsys):
     store = KVStore(6, optimizer_state_dim=2)
     extra = load_checkpoint(saved, {"t": store})
     assert extra["step"] == 7 and torch.equal(extra["lr"], torch.tensor([0.5]))
-    manifest = read_manifest(saved)
+    _, manifest = read_manifest(saved)
     assert manifest["extra"]["bytes"] == (saved / "extra.pt").stat().st_size
 
 
@@ -225,7 +226,7 @@ def test_a_sound_checkpoint_verifies_and_loads_its_extra(saved, capsys):
 
 
 def test_id_range_reads_exactly_the_chunks_it_needs(saved):
-    chunks = read_manifest(saved)["tables"]["t"]["chunks"]  # 20 rows each: ids 0..57, 60..117, ...
+    chunks = read_manifest(saved)[1]["tables"]["t"]["chunks"]  # 20 rows each: ids 0..57, 60..117, ...
     lo, hi = chunks[2]["max_id"], chunks[4]["min_id"]  # lo is chunk 2's last id; hi is chunk 4's first
     # Damage the chunks outside [2, 3]: reading one of them would fail its CRC.
     raw = bytearray((saved / "t.rows").read_bytes())
@@ -367,7 +368,7 @@ def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_lo
     path = tmp_path / "ck"
     save_checkpoint(path, {"t": filled(5)})
     held, release = threading.Event(), threading.Event()
-    real_rmtree = _checkpoint_files.shutil.rmtree
+    real_rmtree = _background.shutil.rmtree
 
     marker_at_start = []
 
@@ -376,14 +377,14 @@ def test_save_returns_before_the_previous_copy_is_deleted_and_that_copy_never_lo
             marker_at_start.extend((c / "manifest.json").exists() for c in tmp_path.glob(".ck.previous-*"))
             super().start()
 
-    monkeypatch.setattr(_checkpoint_files.threading, "Thread", Recorded)
+    monkeypatch.setattr(_background.threading, "Thread", Recorded)
 
     def slow_rmtree(folder, **kwargs):
         held.set()
         release.wait(timeout=60)
         real_rmtree(folder, **kwargs)
 
-    monkeypatch.setattr(_checkpoint_files.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(_background.shutil, "rmtree", slow_rmtree)
     save_checkpoint(path, {"t": filled(7)})  # returns while the old copy's deletion is held
     assert held.wait(timeout=60)
     copies = list(tmp_path.glob(".ck.previous-*"))

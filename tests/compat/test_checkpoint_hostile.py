@@ -24,8 +24,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
+from leanstate._checkpoint_files import read_manifest
 from leanstate._tools.cli import main
-from leanstate.sharded_checkpoint import read_manifest_v2
 
 
 def small_store(seed: int = 0) -> KVStore:
@@ -146,7 +146,7 @@ def test_inspect_prints_one_bad_line_for_any_garbage_manifest(tmp_path_factory, 
     path = tmp_path_factory.mktemp("garbage")
     (path / "manifest.json").write_bytes(text.encode("utf-8", "surrogateescape"))
     try:
-        read_manifest_v2(path)
+        read_manifest(path)
         assume(False)  # a mutation that happens to be a valid (empty) checkpoint
     except (CheckpointError, FileNotFoundError):
         pass

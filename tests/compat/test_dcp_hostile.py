@@ -9,10 +9,8 @@ saves), and only regular files inside the checkpoint are opened. Either failure 
 
 from __future__ import annotations
 
-import io
 import pickle
 import shutil
-from pathlib import Path
 
 import crc32c
 import pytest
@@ -21,6 +19,7 @@ import torch
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore
 from leanstate.reference.sharding import BucketedTable
+from tests.harness import rewrite_dcp_item
 
 CHUNK_ROWS = 40
 
@@ -42,22 +41,6 @@ def assert_unchanged(store: KVStore, before: tuple[torch.Tensor, torch.Tensor], 
     keys, rows = snapshot(store)
     assert torch.equal(keys, before[0]), f"{what}: the store's ids changed"
     assert torch.equal(rows, before[1]), f"{what}: the store's rows changed"
-
-
-def rewrite_item(path: Path, fqn: str, offset: int, change) -> None:
-    """Replace the tensor stored for item ``fqn`` at row (or element) ``offset`` by
-    ``change(tensor)``, saved as DCP saves it, in place (the record keeps its length)."""
-    metadata = kvdcp.SafeFileSystemReader(path).read_metadata()
-    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn and k.offset[0] == offset)
-    file = path / info.relative_path
-    data = bytearray(file.read_bytes())
-    record = bytes(data[info.offset : info.offset + info.length])
-    tensor = change(torch.load(io.BytesIO(record), weights_only=True).clone())
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    assert len(buffer.getvalue()) == info.length, "the rewritten record must keep its length"
-    data[info.offset : info.offset + info.length] = buffer.getvalue()
-    file.write_bytes(bytes(data))
 
 
 # (buckets, bucket_size) of a sharded save, or None for a plain store
@@ -88,13 +71,13 @@ def test_rows_out_of_id_order_inside_a_chunk_are_refused_and_change_no_store(tmp
         swapped["crc"] = crc32c.crc32c(rows.numpy().tobytes())
         return rows
 
-    rewrite_item(path, "t/rows", offset, swap)
+    rewrite_dcp_item(path, "t/rows", offset, swap)
 
     def fix_crc(crcs: torch.Tensor) -> torch.Tensor:
         crcs[k] = swapped["crc"]
         return crcs
 
-    rewrite_item(path, "t/crc", 0, fix_crc)
+    rewrite_dcp_item(path, "t/crc", 0, fix_crc)
     for live in (False, True):
         store = filled(15, seed=5) if live else KVStore(4, optimizer_state_dim=1)
         before = snapshot(store)

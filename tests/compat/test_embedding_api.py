@@ -301,10 +301,22 @@ def test_config_checks():
         KVTableConfig("t", 4, pooling="max")
     with pytest.raises(TypeError, match="data_type"):
         KVTableConfig("t", 4, data_type="int8")
-    with pytest.raises(ValueError, match="one table only"):
-        KVEmbeddingBagCollection(
-            [KVTableConfig("a", 4, feature_names=["f"]), KVTableConfig("b", 4, feature_names=["f"])]
-        )
+    with pytest.raises(ValueError, match="table 'a' lists a feature twice"):
+        KVEmbeddingBagCollection([KVTableConfig("a", 4, feature_names=["f", "g", "f"])])
+
+
+def test_a_feature_feeding_two_tables_is_pooled_by_each_and_named_feature_at_table():
+    """TorchRec's rule (the real TorchRec in test_torchrec_interop.py): ``f@table`` for a
+    feature several tables read, the plain name otherwise."""
+    ebc = KVEmbeddingBagCollection(
+        [KVTableConfig("a", 4, feature_names=["f", "g"]), KVTableConfig("b", 2, feature_names=["f"], seed=1)]
+    )
+    kjt = KeyedJaggedTensor(["f", "g"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([2, 1, 0, 1]))
+    out = ebc(kjt)
+    assert out.keys() == ["f@a", "g", "f@b"] and out.length_per_key() == [4, 4, 2]
+    offsets = torch.tensor([0, 2])
+    for key, table in (("f@a", "a"), ("f@b", "b")):
+        assert torch.equal(out[key], ebc.embedding_bags[table](torch.tensor([1, 2, 3]), offsets))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,9 +1,10 @@
 """Every accelerated embedding engine held to the reference engine, bit for bit.
 
-Hypothesis draws optimizers, pooling, weights, offloading, weight decay, row dtypes and a few
-training steps on ragged batches (duplicates, padding ids, empty bags); every pooled
-output and, after each backward, every row of every store (headers included) must
-have the same bytes as the reference's.
+Hypothesis draws optimizers, pooling, weights, offloading, weight decay, row dtypes, dims
+(past 64 and 128, odd) and a few training steps on ragged batches from
+``leanstate.testing``'s strategies (the int64 edges, duplicates, colliding ids, padding,
+empty bags); every pooled output and, after each backward, every row of every store
+(headers included) must have the same bytes as the reference's.
 """
 
 import pytest
@@ -13,10 +14,15 @@ from hypothesis import strategies as st
 
 from leanstate import _backends
 from leanstate.embedding import KVEmbeddingBag
+from leanstate.testing import dims, dtypes, id_batches
 from tests.harness import FakeClock
 
 ACCELERATED = sorted(b for b in _backends.available("embedding") if b != "reference")
-D = 6
+
+
+def widest(backend):
+    """The simulator runs each kernel thread as Python: its dims stay small."""
+    return 12 if backend == "numba-cuda" else 300
 
 
 def rows_of(bag):
@@ -27,9 +33,14 @@ def rows_of(bag):
     return [r.view(torch.uint8) if r.dtype != torch.int64 else r for r in rows]
 
 
-batches = st.lists(
-    st.lists(st.integers(-1, 30), min_size=0, max_size=6), min_size=1, max_size=5
-)  # bags of ids; -1 is padding
+@st.composite
+def batches(draw):
+    """Bags of ids (negative ids are padding, a bag may be empty): one batch of ids cut at
+    drawn offsets."""
+    ids = draw(id_batches(max_size=20, padding=True))
+    cuts = draw(st.lists(st.integers(0, len(ids)), min_size=0, max_size=4))
+    bounds = [0, *sorted(cuts), len(ids)]
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.mark.parametrize("backend", ACCELERATED)
@@ -40,18 +51,20 @@ batches = st.lists(
     weighted=st.booleans(),
     offloading=st.booleans(),
     weight_decay=st.sampled_from([0.0, 0.01]),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    steps=st.lists(batches, min_size=1, max_size=3),
+    dtype=dtypes(),
+    steps=st.lists(batches(), min_size=1, max_size=3),
     seed=st.integers(0, 2**32),
+    data=st.data(),
 )
 def test_engine_trains_bit_for_bit_like_the_reference(
-    backend, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed
+    backend, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed, data
 ):
     weighted = weighted and mode == "sum"
+    dim = data.draw(dims(widest(backend)), label="dim")
     bags = [
         KVEmbeddingBag(
             None,
-            D,
+            dim,
             mode=mode,
             optimizer=optimizer,
             lr=0.1,
@@ -70,7 +83,7 @@ def test_engine_trains_bit_for_bit_like_the_reference(
         ids = torch.tensor([i for bag in step for i in bag], dtype=torch.int64)
         offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(b) for b in step]), 0).tolist()[:-1]])
         weights = torch.rand(len(ids), generator=generator) if weighted else None
-        upstream = torch.randn(len(step), D, generator=generator)
+        upstream = torch.randn(len(step), dim, generator=generator)
         outputs = []
         for bag in bags:
             pooled = bag(ids, offsets, weights)
@@ -83,24 +96,20 @@ def test_engine_trains_bit_for_bit_like_the_reference(
 
 @pytest.mark.parametrize("backend", ACCELERATED)
 @settings(max_examples=30, deadline=None)
-@given(
-    steps=st.lists(batches, min_size=1, max_size=1),
-    mean=st.booleans(),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**32),
-)
-def test_pooling_and_gradients_of_given_rows_match_the_reference(backend, steps, mean, weighted, seed):
+@given(bags=batches(), mean=st.booleans(), weighted=st.booleans(), seed=st.integers(0, 2**32), data=st.data())
+def test_pooling_and_gradients_of_given_rows_match_the_reference(backend, bags, mean, weighted, seed, data):
     """``pool_rows`` / ``row_gradients`` (what the sharded collection runs on received rows)."""
     from leanstate.reference.embedding import pool_rows, row_gradients
 
-    bag = KVEmbeddingBag(None, D, backend=backend)
-    ids = torch.tensor([max(i, 0) for b in steps[0] for i in b], dtype=torch.int64)
-    offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(b) for b in steps[0]]), 0).tolist()])
+    dim = data.draw(dims(widest(backend)), label="dim")
+    bag = KVEmbeddingBag(None, dim, backend=backend)
+    ids = torch.tensor([max(i, 0) for b in bags for i in b], dtype=torch.int64)
+    offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(b) for b in bags]), 0).tolist()])
     unique, inverse = torch.unique(ids, return_inverse=True)
     generator = torch.Generator().manual_seed(seed)
-    rows = torch.randn(len(unique), D, generator=generator)
+    rows = torch.randn(len(unique), dim, generator=generator)
     weights = torch.rand(len(ids), generator=generator) if weighted else None
-    grad_output = torch.randn(len(offsets) - 1, D, generator=generator)
+    grad_output = torch.randn(len(offsets) - 1, dim, generator=generator)
     got = bag.engine.pool_rows(rows, inverse, offsets, weights, mean)
     assert torch.equal(
         got.view(torch.int32), pool_rows(rows, inverse, offsets, weights, mean).view(torch.int32)

@@ -19,8 +19,9 @@ ACCELERATED = sorted(b for b in _backends.available("kv_store") if b != "referen
 
 @pytest.mark.parametrize("backend", ACCELERATED)
 def test_engine_matches_the_reference(backend):
-    # the simulator runs each kernel thread as Python: fewer runs, the same machine
-    check_backend(backend, examples=20 if backend == "numba-cuda" else 80)
+    # the simulator runs each kernel thread as Python: fewer runs and narrower rows
+    simulated = backend == "numba-cuda"
+    check_backend(backend, examples=20 if simulated else 80, max_dim=12 if simulated else 300)
 
 
 EDGE_IDS = [7, 2**63 - 1, 0, 1, 2**62, 2**63 - 2, 48]

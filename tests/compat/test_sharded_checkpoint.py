@@ -87,7 +87,10 @@ def test_a_chunk_holding_an_id_of_another_bucket_is_refused(saved, row, live):
     manifest = json.loads((saved / "manifest.json").read_text())
     table = manifest["tables"]["t"]
     (entry,) = table["files"]
-    index = next(i for i, c in enumerate(entry["chunks"]) if c["bucket"] == 3 and c["rows"] > 2)
+    in_bucket_3 = [i for i, c in enumerate(entry["chunks"]) if c["bucket"] == 3 and c["rows"] > 2]
+    # the bucket's first chunk for its first row, its last chunk for its last row: the moved
+    # id still follows the chunk before and precedes the chunk after, as the manifest asks
+    index = in_bucket_3[0] if row == "first" else in_bucket_3[-1]
     chunk, row_bytes = entry["chunks"][index], table["row_bytes"]
     file = saved / entry["file"]
     data = bytearray(file.read_bytes())
@@ -102,5 +105,31 @@ def test_a_chunk_holding_an_id_of_another_bucket_is_refused(saved, row, live):
     before = rows_of(store)
     with pytest.raises(CheckpointError, match="outside bucket 3"):
         load_checkpoint(saved, {"t": store})  # a plain store: one process takes every rank's rows
+    after = rows_of(store)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_chunk_starting_at_the_previous_chunks_last_id_is_refused(saved, live):
+    """A bucket's rows span several chunks; a chunk whose first row repeats the previous
+    chunk's last id (its CRC and min_id made to match) would load one row fewer than the
+    manifest says. The manifest's order rule refuses it before a row moves."""
+    manifest = json.loads((saved / "manifest.json").read_text())
+    table = manifest["tables"]["t"]
+    (entry,) = table["files"]
+    chunks, row_bytes = entry["chunks"], table["row_bytes"]
+    index = next(i for i in range(1, len(chunks)) if chunks[i]["bucket"] == chunks[i - 1]["bucket"])
+    chunk, repeated = chunks[index], chunks[index - 1]["max_id"]
+    file = saved / entry["file"]
+    data = bytearray(file.read_bytes())
+    data[chunk["offset"] : chunk["offset"] + 8] = repeated.to_bytes(8, "little")
+    file.write_bytes(bytes(data))
+    chunk["min_id"] = repeated
+    chunk["crc"] = crc32c.crc32c(bytes(data[chunk["offset"] : chunk["offset"] + chunk["rows"] * row_bytes]))
+    (saved / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    store = filled("numba") if live else KVStore(4, optimizer_state_dim=1, backend="numba")
+    before = rows_of(store)
+    with pytest.raises(CheckpointError, match=rf"chunk {index}: \(bucket, min_id\)"):
+        load_checkpoint(saved, {"t": store})
     after = rows_of(store)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])

@@ -412,39 +412,15 @@ def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference()
             ),
         )
     message = str(failure.value)
-    found = re.search(r"\) differs: id 3, column 1: (\S+), the reference (\S+)", message)
+    found = re.search(r"id 3, column 1: (\S+), the reference (\S+)", message)
     assert found is not None, message
     assert float(found.group(1)) == 64 != float(found.group(2)), message
-    assert "get(tensor([" in message, message  # the operations show short id tensors by value
+    assert re.search(r"\n  get\(\[-?\d", message), message  # the operations show short id lists by value
     shown = int(re.search(r"after \(the last (\d+) operations\)", message).group(1))
     listed = message.split("operations):\n")[1].splitlines()
-    assert len(listed) == shown and listed[-1].startswith("  get(tensor(["), (
+    assert len(listed) == shown and listed[-1].startswith("  get(["), (
         message
     )  # the last ones, to the failing get
-
-
-def test_a_shown_operation_lists_up_to_24_values_and_a_longer_tensors_shape():
-    from leanstate.testing import _shown
-
-    assert _shown(torch.arange(24)) == f"tensor({list(range(24))})"
-    assert _shown(torch.arange(25)) == "tensor of shape (25,)"
-    assert _shown(7) == "7"
-
-
-def test_the_first_differing_cell_is_told_from_a_shape_or_dtype_difference():
-    from leanstate.testing import _first_cell
-
-    base = torch.zeros(2, 3)
-    assert (
-        _first_cell(base, torch.zeros(3, 3), [4, 5])
-        == "shape (3, 3) torch.float32, the reference (2, 3) torch.float32"
-    )
-    assert (
-        _first_cell(base, base.double(), [4, 5])
-        == "shape (2, 3) torch.float64, the reference (2, 3) torch.float32"
-    )
-    assert _first_cell(base, base.clone(), [4, 5]) == "no difference"
-    assert _first_cell(torch.zeros(2), torch.tensor([0.0, 1.0]), [4, 5]) == "id 5: 1.0, the reference 0.0"
 
 
 class _SkipsEmptyWrites(KVStore):
@@ -465,6 +441,11 @@ def test_the_state_machine_writes_no_columns_too():
         run_store_machine(
             make_store,
             settings=settings(
-                max_examples=300, stateful_step_count=20, deadline=None, derandomize=True, database=None
+                max_examples=300,
+                stateful_step_count=20,
+                deadline=None,
+                derandomize=True,
+                phases=[Phase.generate],  # caught is enough: no shrinking
+                database=None,
             ),
         )

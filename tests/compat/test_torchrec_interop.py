@@ -266,15 +266,152 @@ def test_the_fused_optimizer_composes_with_combined_optimizer():
     combined.load_state_dict(state)
 
 
-def test_a_variable_batch_kjt_is_refused_rather_than_misread():
-    kv_ebc = KVEmbeddingBagCollection(configs())
-    variable = KeyedJaggedTensor(
-        keys=KEYS, values=torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.tensor([1, 1, 1, 1, 1, 1]),
-        stride_per_key_per_rank=[[1], [2], [3]],
+def variable_batch(step: int, *, weighted: bool = False) -> KeyedJaggedTensor:
+    """Step ``step``'s KJT as a variable-batch one (VBE): each key's bags from two ranks at
+    their own strides, expanded to the batch of ``B`` by inverse indices."""
+    generator = torch.Generator().manual_seed(100 + step)
+    per_rank = [torch.randint(1, B // 2 + 1, (2,), generator=generator).tolist() for _ in KEYS]
+    strides = [sum(ranks) for ranks in per_rank]
+    lengths = torch.randint(0, 4, (sum(strides),), generator=generator)
+    values = torch.randint(0, N, (int(lengths.sum()),), generator=generator)
+    inverse = torch.stack([torch.randint(0, stride, (B,), generator=generator) for stride in strides])
+    weights = torch.rand(len(values), generator=generator) + 0.5 if weighted else None
+    return KeyedJaggedTensor(
+        keys=KEYS, values=values, weights=weights, lengths=lengths,
+        stride_per_key_per_rank=per_rank, inverse_indices=(KEYS, inverse),
     )  # fmt: skip
-    assert variable.variable_stride_per_key()
-    with pytest.raises(ValueError, match="variable-batch KeyedJaggedTensors"):
-        kv_ebc(variable)
+
+
+def train_variable_batch(model, steps: range) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(steps.start, steps.stop):
+        dense, _, labels = batch(step)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense, variable_batch(step)).squeeze(1), labels
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_torchrecs_dlrm_trains_on_variable_batch_kjts_bit_for_bit_as_on_torchrecs_tables():
+    """Each key pooled at its own stride, then expanded by the inverse indices to the batch,
+    as TorchRec's CPU collection does; the gradient of a repeated bag sums before the update."""
+    features = variable_batch(0)
+    assert features.variable_stride_per_key() and len(set(features.stride_per_key())) > 1
+    kv_ebc, torchrec_ebc = KVEmbeddingBagCollection(configs()), EmbeddingBagCollection(configs())
+    same_rows(kv_ebc, torchrec_ebc)
+    assert torch.equal(kv_ebc(features).values(), torchrec_ebc(features).values())
+    ours, theirs = (
+        train_variable_batch(dlrm(kv_ebc), range(10)),
+        train_variable_batch(dlrm(torchrec_ebc), range(10)),
+    )
+    assert ours == theirs and len(set(ours)) == 10
+    for name, bag in kv_ebc.embedding_bags.items():
+        assert torch.equal(
+            bag.store.get(torch.arange(N), width=D), torchrec_ebc.embedding_bags[name].weight.detach()
+        )
+
+
+def test_a_weighted_variable_batch_kjt_gives_torchrecs_outputs():
+    kv_ebc = KVEmbeddingBagCollection(configs(), is_weighted=True)
+    torchrec_ebc = EmbeddingBagCollection(configs(), is_weighted=True)
+    same_rows(kv_ebc, torchrec_ebc)
+    features = variable_batch(1, weighted=True)
+    ours, theirs = kv_ebc(features), torchrec_ebc(features)
+    assert ours.keys() == theirs.keys() and ours.values().shape == (B, 3 * D)
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=0, atol=1e-7)  # fused multiply-add
+
+
+def test_variable_batch_kjts_that_make_no_batch_are_refused_with_the_reason():
+    kv_ebc = KVEmbeddingBagCollection(configs())
+    values, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 1, 1, 1, 1, 1])
+    no_inverse = KeyedJaggedTensor(
+        keys=KEYS, values=values, lengths=lengths, stride_per_key_per_rank=[[1], [2], [3]]
+    )
+    with pytest.raises(ValueError, match="without inverse_indices"):
+        kv_ebc(no_inverse)
+    outside = KeyedJaggedTensor(
+        keys=KEYS, values=values, lengths=lengths, stride_per_key_per_rank=[[1], [2], [3]],
+        inverse_indices=(KEYS, torch.tensor([[0, 0], [0, 1], [2, 3]])),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"inverse_indices of 'f3' must lie in \[0, 3\)"):
+        kv_ebc(outside)
+    # one stride for every key without inverse indices is a plain batch, as TorchRec reads it
+    same = KeyedJaggedTensor(
+        keys=KEYS, values=values, lengths=lengths, stride_per_key_per_rank=[[2], [2], [2]]
+    )
+    plain = KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths)
+    assert torch.equal(kv_ebc(same).values(), kv_ebc(plain).values())
+
+
+def shared_configs() -> list[EmbeddingBagConfig]:
+    """``f1`` feeds ``t1`` and ``t3``, ``f2`` feeds ``t1`` and ``t2``: TorchRec names them ``f@t``."""
+    return [
+        EmbeddingBagConfig(num_embeddings=N, embedding_dim=D, name="t1", feature_names=["f1", "f2"]),
+        EmbeddingBagConfig(num_embeddings=N, embedding_dim=4, name="t2", feature_names=["f2", "f3"]),
+        EmbeddingBagConfig(num_embeddings=N, embedding_dim=2, name="t3", feature_names=["f1"]),
+    ]
+
+
+def synced(tables) -> tuple[KVEmbeddingBagCollection, EmbeddingBagCollection]:
+    kv_ebc, torchrec_ebc = KVEmbeddingBagCollection(tables()), EmbeddingBagCollection(tables())
+    with torch.no_grad():
+        for name, bag in kv_ebc.embedding_bags.items():
+            torchrec_ebc.embedding_bags[name].weight.copy_(
+                bag.store.get(torch.arange(N), width=bag.embedding_dim)
+            )
+    return kv_ebc, torchrec_ebc
+
+
+@pytest.mark.parametrize("variable", [False, True])
+def test_a_feature_feeding_two_tables_is_named_and_pooled_as_torchrec_does(variable):
+    kv_ebc, torchrec_ebc = synced(shared_configs)
+    features = variable_batch(2) if variable else batch(2)[1]
+    ours, theirs = kv_ebc(features), torchrec_ebc(features)
+    assert ours.keys() == theirs.keys() == ["f1@t1", "f2@t1", "f2@t2", "f3", "f1@t3"]
+    assert ours.length_per_key() == theirs.length_per_key() and torch.equal(ours.values(), theirs.values())
+    assert kv_ebc.feature_names() == ["f1", "f2", "f2", "f3", "f1"]
+    twice = EmbeddingBagConfig(num_embeddings=N, embedding_dim=D, name="t", feature_names=["f1", "f1"])
+    with pytest.raises(ValueError, match="table 't' lists a feature twice"):
+        KVEmbeddingBagCollection([twice])
+
+
+@pytest.mark.parametrize("variable", [False, True])
+def test_tables_sharing_a_feature_train_bit_for_bit_as_torchrecs(variable):
+    """``f1`` feeds ``a`` and ``b``: each table's update sees its own pooled gradient. Against
+    TorchRec's tables updated by ``w - (lr * g)``, the rounding of the fused SGD; the rows
+    agree to the last unit: torch's embedding-bag backward sums an id's repeats in the
+    order of an unstable sort, the fused update in position order."""
+
+    def tables():
+        return [
+            EmbeddingBagConfig(num_embeddings=N, embedding_dim=D, name="a", feature_names=["f1"]),
+            EmbeddingBagConfig(num_embeddings=N, embedding_dim=4, name="b", feature_names=["f1"]),
+            EmbeddingBagConfig(num_embeddings=N, embedding_dim=2, name="c", feature_names=["f3"]),
+        ]
+
+    kv_ebc, torchrec_ebc = synced(tables)
+    for step in range(5):
+        features = variable_batch(step) if variable else batch(step)[1]
+        ours, theirs = kv_ebc(features), torchrec_ebc(features)
+        assert ours.keys() == ["f1@a", "f1@b", "f3"]
+        torch.testing.assert_close(ours.values(), theirs.values(), rtol=0, atol=1e-8)
+        target = torch.linspace(-1, 1, ours.values().numel()).view_as(ours.values())
+        torchrec_ebc.zero_grad()
+        ((theirs.values() - target) ** 2).sum().backward()
+        with torch.no_grad():  # torch.optim.SGD would fuse the multiply-add
+            for parameter in torchrec_ebc.parameters():
+                parameter -= 0.01 * parameter.grad
+        ((ours.values() - target) ** 2).sum().backward()
+    for name, bag in kv_ebc.embedding_bags.items():
+        rows, start = bag.store.get(torch.arange(N), width=bag.embedding_dim), synced(tables)[1]
+        theirs = torchrec_ebc.embedding_bags[name].weight.detach()
+        torch.testing.assert_close(rows, theirs, rtol=0, atol=1e-8)
+        assert (theirs - start.embedding_bags[name].weight).abs().max() > 1e-3  # they trained
 
 
 def test_a_torchrec_dcp_checkpoint_migrates_through_a_template_state_dict(tmp_path):
@@ -289,3 +426,91 @@ def test_a_torchrec_dcp_checkpoint_migrates_through_a_template_state_dict(tmp_pa
     kv_ebc.eval()
     _, features, _ = batch(7)
     assert torch.equal(kv_ebc(features).values(), trained(features).values())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_leanstate_dcp_load_takes_a_torchrec_dcp_checkpoint_directly(tmp_path, optimizer):
+    """A DLRM trained on TorchRec's tables and saved by stock ``dcp.save``: ``leanstate.dcp.load``
+    puts each table's rows in as ids ``0..N-1`` bit for bit (the optimizer state the
+    checkpoint lacks starts fresh), and the model trains on as TorchRec's does."""
+    trained = dlrm(EmbeddingBagCollection(configs()))
+    train(trained, range(3))
+    torch.distributed.checkpoint.save(trained.state_dict(), checkpoint_id=tmp_path / "torchrec", no_dist=True)
+    tables = [KVTableConfig.from_torchrec(c, optimizer=optimizer) for c in configs()]
+    model = dlrm(KVEmbeddingBagCollection(tables))
+    state = model.state_dict()
+    stats = leanstate.dcp.load(state, checkpoint_id=tmp_path / "torchrec")
+    assert not model.load_state_dict(state).missing_keys
+    ebc = model.sparse_arch.embedding_bag_collection
+    for name, bag in trained.sparse_arch.embedding_bag_collection.embedding_bags.items():
+        kv = ebc.embedding_bags[name]
+        assert torch.equal(kv.store.keys().sort().values, torch.arange(N))
+        assert torch.equal(kv.store.get(torch.arange(N), width=D), bag.weight.detach())
+        assert stats[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"]["rows"] == N
+        assert kv.optimizer_step == 0 and all(not torch.any(v[:]) for v in kv._field_views().values())
+    if optimizer == "sgd":
+        assert train(model, range(3, 8)) == train(trained, range(3, 8))
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group for this test only (DMP and the sharded collection need one)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_dmps_fused_optimizer_includes_the_tables_and_drives_them(one_rank):
+    """``DistributedModelParallel`` collects the fused optimizers of ``FusedOptimizerModule``s:
+    the collections are registered as such, so DMP's ``fused_optimizer`` holds the tables,
+    its scheduler drives their ``lr``, and ``step``/``zero_grad``/``state_dict`` work."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim.fused import FusedOptimizerModule
+
+    model = dlrm(KVEmbeddingBagCollection(configs()))
+    ebc = model.sparse_arch.embedding_bag_collection
+    assert isinstance(ebc, FusedOptimizerModule)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    fused = dmp.fused_optimizer
+    assert isinstance(fused, CombinedOptimizer)
+    assert set(fused.params) == {
+        f"sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight" for t in ("t1", "t2")
+    }
+    scheduler = torch.optim.lr_scheduler.StepLR(fused, step_size=1, gamma=0.5)
+    dense_optimizer = torch.optim.SGD(dmp.parameters(), lr=0.01)
+    straight = dlrm(KVEmbeddingBagCollection(configs()))
+    straight_optimizer = torch.optim.SGD(straight.parameters(), lr=0.01)
+    for step in range(3):
+        dense, features, labels = batch(step)
+        losses = []
+        for net, optimizer in ((dmp, dense_optimizer), (straight, straight_optimizer)):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                net(dense, features).squeeze(1), labels
+            )
+            optimizer.zero_grad()
+            fused.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        fused.step()
+        scheduler.step()
+        for bag in straight.sparse_arch.embedding_bag_collection.embedding_bags.values():
+            bag.lr *= 0.5  # what the scheduler did to the DMP model's tables
+        assert losses[0] == losses[1]
+    assert (
+        ebc.embedding_bags["t1"].lr == pytest.approx(0.01 / 8)
+        and ebc.embedding_bags["t1"].optimizer_step == 3
+    )
+    state = fused.state_dict()
+    fused.load_state_dict(state)
+    assert state["state"] == {}  # the tables' state is in their rows (the module's state dict)
+
+
+def test_the_sharded_collection_refuses_variable_batch_kjts(one_rank):
+    sharded = leanstate.ShardedKVEmbeddingBagCollection(configs(), process_group=one_rank)
+    with pytest.raises(ValueError, match="ShardedKVEmbeddingBagCollection: variable-batch"):
+        sharded(variable_batch(0))
+    _, features, _ = batch(0)
+    assert sharded(features).keys() == KEYS
