@@ -394,6 +394,17 @@ class _OffByOneInIdThree(KVStore):
         return values
 
 
+# The machine's first failing run as it is: caught is enough, no shrinking, no database.
+UNSHRUNK = settings(
+    max_examples=300,
+    stateful_step_count=20,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.generate],
+    database=None,
+)
+
+
 def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference():
     def make_store(dim, **options):
         return _OffByOneInIdThree(dim, backend="reference", **options)
@@ -402,14 +413,7 @@ def test_the_state_machine_names_the_id_column_and_both_values_of_a_difference()
         # not shrunk: the first failing get, id 3 wherever it falls among its ids
         run_store_machine(
             make_store,
-            settings=settings(
-                max_examples=300,
-                stateful_step_count=20,
-                deadline=None,
-                derandomize=True,
-                phases=[Phase.generate],
-                database=None,
-            ),
+            settings=UNSHRUNK,
         )
     message = str(failure.value)
     found = re.search(r"id 3, column 1: (\S+), the reference (\S+)", message)
@@ -440,12 +444,5 @@ def test_the_state_machine_writes_no_columns_too():
     with pytest.raises(AssertionError):
         run_store_machine(
             make_store,
-            settings=settings(
-                max_examples=300,
-                stateful_step_count=20,
-                deadline=None,
-                derandomize=True,
-                phases=[Phase.generate],  # caught is enough: no shrinking
-                database=None,
-            ),
+            settings=UNSHRUNK,
         )
