@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._backends import register as register_backend
 from leanstate._backends import unregister as unregister_backend
-from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
 from leanstate.embedding import (
     KeyedJaggedTensor,
     KeyedTensor,
@@ -73,6 +73,7 @@ __all__ = [
     "backend_info",
     "bucket_owner",
     "checkpoint_wrapper",
+    "compact_checkpoint",
     "load_checkpoint",
     "last_load_stats",
     "load_legacy_checkpoint",

@@ -149,6 +149,8 @@ def write_store(
     file: Path,
     chunk_bytes: int,
     *,
+    keys: torch.Tensor | None = None,
+    dropped: list[torch.Tensor] | None = None,
     bucketing: tuple[int, int | None] | None = None,
     pipelined: bool = False,
     progress=None,
@@ -156,10 +158,15 @@ def write_store(
     """Stream a store's rows into ``file`` in saving order, in chunks (within one bucket when
     bucketed, each entry then naming its ``bucket``); the chunks' manifest entries.
 
+    ``keys``: the ids to write (ascending; a delta's written ids), instead of every key.
+    ``dropped``: where the ids deleted since the keys were listed are appended.
     ``progress(rows_done, rows_total)`` is called after each chunk. Pipelined, two host
     buffers alternate: the gather of chunk k+1 overlaps the write of chunk k.
     """
-    keys, buckets = saving_order(store, bucketing)
+    if keys is None:
+        keys, buckets = saving_order(store, bucketing)
+    else:
+        keys, buckets = keys.cpu(), None
     spans = chunk_spans(len(keys), rows_per_chunk(store.layout, chunk_bytes), buckets)
     buffers = (
         host_buffers(store, max((end - start for start, end in spans), default=0)) if pipelined else None
@@ -168,6 +175,9 @@ def write_store(
     try:
         for k, (start, end) in enumerate(spans):
             rows = gather(store, keys[start:end], None if buffers is None else buffers[k % 2])
+            if dropped is not None and len(rows) < end - start:
+                kept = header_words(rows)[:, 0]
+                dropped.append(keys[start:end][~torch.isin(keys[start:end], kept)])
             fields = {} if buckets is None else {"bucket": int(buckets[start])}
             sink.append(rows, **fields)
             if progress is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -36,6 +37,8 @@ from leanstate._checkpoint_format import (
     EXTRA_FILE,
     MANIFEST,
     checked_problem,
+    delta_manifest_problem,
+    is_delta,
     manifest_problem,
     manifest_v2_problem,
     saved_across_ranks,
@@ -160,16 +163,18 @@ def extra_bytes_of(extra: object, method: str) -> bytes:
     return data
 
 
-def parse_manifest(file: Path) -> object:
-    """The JSON in ``file`` (a regular file), or :class:`CheckpointError` naming it for
-    anything that is not plain JSON: bad bytes, nesting too deep, numbers too long."""
+def parse_manifest(file: Path) -> tuple[object, str]:
+    """The JSON in ``file`` (a regular file) and the SHA-256 of its bytes (how a delta names
+    its base), or :class:`CheckpointError` naming it for anything that is not plain JSON:
+    bad bytes, nesting too deep, numbers too long."""
     with open_regular(file, "manifest") as f:
         text = f.read()
     try:  # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32), no BOM
-        return json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        parsed = json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
+    return parsed, hashlib.sha256(text).hexdigest()
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -188,14 +193,27 @@ def _no_constant(name: str) -> None:
 
 
 def read_manifest(path: str | os.PathLike) -> tuple[int, dict]:
-    """The format version and the manifest of the checkpoint at ``path``, checked against
-    its version's schema: the one read of a manifest that every load makes.
+    """The format version and the manifest of the full checkpoint at ``path``, checked
+    against its version's schema: the one read of a manifest that every load makes.
 
     Version 1 (one process, ascending ids) or version 2 (saved across ranks,
-    ``spec/sharding.md``). Raises :class:`CheckpointError` naming ``manifest.json`` and the
-    offending key, or ``FileNotFoundError`` (with the previous copy an interrupted save
-    left, if complete).
+    ``spec/sharding.md``); a delta is refused with what to do instead. Raises
+    :class:`CheckpointError` naming ``manifest.json`` and the offending key, or
+    ``FileNotFoundError`` (with the previous copy an interrupted save left, if complete).
     """
+    version, manifest, _ = read_manifest_and_digest(path)
+    if is_delta(manifest):
+        raise CheckpointError(
+            f"{Path(path) / MANIFEST}: a delta checkpoint (only the rows changed since its base): "
+            "load it with leanstate.load_checkpoint(path, tables), or merge it into a full checkpoint "
+            "with leanstate.compact_checkpoint(path, new_path)"
+        )
+    return version, manifest
+
+
+def read_manifest_and_digest(path: str | os.PathLike) -> tuple[int, dict, str]:
+    """:func:`read_manifest` that also takes a delta (version 1 of the delta format) and
+    gives the SHA-256 of the manifest's bytes."""
     path = Path(path)
     file = path / MANIFEST
     if not os.path.lexists(file):
@@ -208,35 +226,23 @@ def read_manifest(path: str | os.PathLike) -> tuple[int, dict]:
             else ""
         )
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist{hint}")
-    manifest = parse_manifest(file)
+    manifest, digest = parse_manifest(file)
     version = 2 if saved_across_ranks(manifest) else 1
-    problem = checked_problem(manifest_v2_problem if version == 2 else manifest_problem, manifest)
+    if is_delta(manifest):
+        problem = checked_problem(delta_manifest_problem, manifest)
+    else:
+        problem = checked_problem(manifest_v2_problem if version == 2 else manifest_problem, manifest)
     if problem is not None:
         raise CheckpointError(f"{file}: {problem}")
-    return version, manifest
+    return version, manifest, digest
 
 
 def read_extra(path: Path, manifest: dict) -> dict[str, object]:
     """The dense ``extra`` state, checked (size, CRC, ``weights_only`` load) before any row moves."""
-    extra = manifest["extra"]
-    if extra is None:
-        if os.path.lexists(path / EXTRA_FILE):
-            raise CheckpointError(
-                f"{path / MANIFEST} says there is no extra state, but {path / EXTRA_FILE} exists: the "
-                "manifest does not describe this checkpoint"
-            )
+    data = read_extra_bytes(path, manifest)
+    if data is None:
         return {}
-    if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
-        extra = {"file": extra}
-    file = path / extra["file"]
-    with open_regular(file, "extra state file") as f:
-        size = os.fstat(f.fileno()).st_size
-        if "bytes" in extra and size != extra["bytes"]:  # checked before reading: no allocation
-            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {extra['bytes']}")
-        data = f.read()
-    if "bytes" in extra:  # (the older bare-string form carries no size or CRC)
-        if crc32c.crc32c(data) != extra["crc"]:
-            raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
+    file = path / EXTRA_FILE
     try:
         loaded = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
@@ -247,6 +253,29 @@ def read_extra(path: Path, manifest: dict) -> dict[str, object]:
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{file} holds a {type(loaded).__name__}, not the dict a save writes")
     return loaded
+
+
+def read_extra_bytes(path: Path, manifest: dict) -> bytes | None:
+    """The bytes of the ``extra`` state file, size and CRC checked; None when there is none."""
+    extra = manifest["extra"]
+    if extra is None:
+        if os.path.lexists(path / EXTRA_FILE):
+            raise CheckpointError(
+                f"{path / MANIFEST} says there is no extra state, but {path / EXTRA_FILE} exists: the "
+                "manifest does not describe this checkpoint"
+            )
+        return None
+    if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
+        extra = {"file": extra}
+    file = path / extra["file"]
+    with open_regular(file, "extra state file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if "bytes" in extra and size != extra["bytes"]:  # checked before reading: no allocation
+            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {extra['bytes']}")
+        data = f.read()
+    if "bytes" in extra and crc32c.crc32c(data) != extra["crc"]:  # (the bare form carries no CRC)
+        raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
+    return data
 
 
 @contextlib.contextmanager

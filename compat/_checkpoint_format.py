@@ -323,6 +323,79 @@ def manifest_v2_problem(manifest: dict) -> str | None:
     return None
 
 
+DELTA_FORMAT = "leanstate-whole-row-delta"
+DELTA_KEYS = ("format", "version", "base", "tables", "views", "extra")
+REMOVED_SUFFIX = ".removed"
+MAX_BASE_PATH_BYTES = 4096
+
+
+def is_delta(manifest: object) -> bool:
+    """Whether a parsed manifest names the delta format (``spec/checkpoint_format.md``)."""
+    return isinstance(manifest, dict) and manifest.get("format") == DELTA_FORMAT
+
+
+def delta_manifest_problem(manifest: dict) -> str | None:
+    """The first way a delta's ``manifest`` breaks its schema (rules D1, D2, D5 and a full
+    table's R3-R8 for its rows), or None."""
+    missing = [key for key in DELTA_KEYS if key not in manifest]
+    if missing:
+        return f"the required key {missing[0]!r} is missing"
+    if not is_count(manifest["version"]) or manifest["version"] != 1:
+        return f"format version {manifest['version']!r} of a delta is not supported (this leanstate reads 1)"
+    problem = base_problem(manifest["base"])
+    if problem is not None:
+        return problem
+    tables = manifest["tables"]
+    if not isinstance(tables, dict):
+        return "tables must be an object"
+    for name, table in tables.items():
+        key = f"tables[{name!r}]"
+        problem = table_name_problem(name)
+        problem = f"{key}: the name {problem}" if problem else table_problem(key, table, f"{name}.rows")
+        problem = problem or removed_problem(f"{key}.removed", table.get("removed"), name)
+        if problem is not None:
+            return problem
+    return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+
+
+def base_problem(base: object) -> str | None:
+    """D2: ``{path, manifest_sha256}``, the path relative and plain, the digest 64 hex digits."""
+    if not isinstance(base, dict):
+        return "base must be an object {path, manifest_sha256}"
+    path, digest = base.get("path"), base.get("manifest_sha256")
+    if not isinstance(path, str) or not path or "\0" in path or path.startswith("/"):
+        return f"base.path must be a non-empty relative path; got {path!r}"
+    try:
+        too_long = len(path.encode()) > MAX_BASE_PATH_BYTES
+    except UnicodeEncodeError:
+        return "base.path must be encodable as UTF-8"
+    if too_long:
+        return f"base.path must be at most {MAX_BASE_PATH_BYTES} bytes"
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return f"base.manifest_sha256 must be 64 lowercase hex digits; got {str(digest)[:80]!r}"
+    return None
+
+
+def removed_problem(key: str, removed: object, name: str) -> str | None:
+    """D5: a delta table's removed-ids entry."""
+    if not isinstance(removed, dict):
+        return f"{key} must be an object {{file, ids, bytes, min_id, max_id, crc}}"
+    if removed.get("file") != name + REMOVED_SUFFIX:
+        return f"{key}.file must be {name + REMOVED_SUFFIX!r}; got {removed.get('file')!r}"
+    if not (is_count(removed.get("ids")) and is_count(removed.get("bytes")) and is_crc(removed.get("crc"))):
+        return f"{key}.ids and .bytes must be ints >= 0 and .crc an unsigned 32-bit int"
+    if removed["bytes"] != 8 * removed["ids"]:
+        return f"{key}.bytes is {removed['bytes']}, not 8 x ids = {8 * removed['ids']}"
+    ends = (removed.get("min_id"), removed.get("max_id"))
+    if removed["ids"] == 0:
+        return None if ends == (None, None) else f"{key}.min_id/max_id must be null when ids is 0"
+    if not (is_id(ends[0]) and is_id(ends[1]) and ends[0] <= ends[1]):
+        return f"{key}.min_id/max_id must be ids with min_id <= max_id; got {ends}"
+    if removed["ids"] == 1 and ends[0] != ends[1]:
+        return f"{key}: one id, so min_id and max_id are equal"
+    return None
+
+
 def views_problem(views: object, tables: dict) -> str | None:
     """The first way the ``views`` object breaks the schema, or None."""
     if not isinstance(views, dict):

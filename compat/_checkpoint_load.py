@@ -58,9 +58,9 @@ def load_all_or_nothing(
     group: dist.ProcessGroup | None = None,
     gather_errors: bool = False,
     method: str = "load_checkpoint",
-) -> None:
+) -> bool:
     """Run one load of ``stores`` all or nothing, on every rank of ``group`` (None: this
-    process alone).
+    process alone); whether the stores were empty (on every rank) before it.
 
     ``prepare()`` first (the manifest's checks: nothing read into a store). When every
     store is empty on every rank and none appears twice, ``apply(True)`` runs once and a
@@ -89,6 +89,7 @@ def load_all_or_nothing(
             for store in unique:
                 store.delete(store.keys())
         raise
+    return empty
 
 
 def _on_every_rank(run: Callable[[], None], group, gather_errors: bool, method: str, outcome: str) -> None:

@@ -17,6 +17,7 @@ of one backend loads bit for bit into a store of any other, on any device.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -29,27 +30,32 @@ from leanstate._checkpoint_files import (
     publish,
     read_extra,
     read_manifest,
+    read_manifest_and_digest,
     staged,
     write_extra,
 )
 from leanstate._checkpoint_format import (
     DEFAULT_CHUNK_BYTES,
-    SLICE_BYTES,
     Progress,
     Target,
     check_chunk_bytes,
     check_id_range,
-    check_layout,
     chunks_in_range,
-    in_range,
+    is_delta,
     table_entry,
     targets_of,
 )
-from leanstate._checkpoint_load import apply_tables, load_all_or_nothing, verify_table
-from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.sharded_checkpoint import load_into_plain, load_sharded, save_sharded
+
+
+def _chain():
+    """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
+    from leanstate import _checkpoint_chain
+
+    return _checkpoint_chain
 
 
 def _backend_argument(backend: str | None, method: str) -> None:
@@ -72,6 +78,7 @@ def save_checkpoint(
     progress: Progress | None = None,
     pipelined: bool = True,
     process_group=None,
+    base: str | os.PathLike | None = None,
     backend: str | None = None,
 ) -> Path:
     """Save whole-row tables (and optional dense ``extra`` state) atomically to ``path``.
@@ -89,9 +96,15 @@ def save_checkpoint(
     manifest last (format version 2, ``spec/sharding.md``). ``backend`` is deprecated
     and ignored.
 
+    ``base``: save a *delta* of that checkpoint (full or itself a delta): only the rows
+    written and the ids removed since it (each store tracks its changes since the last
+    checkpoint it was saved to or loaded from empty; ``spec/checkpoint_format.md``,
+    "Delta checkpoints"). ``load_checkpoint`` of the delta loads the whole chain.
+
     Example::
 
-        >>> leanstate.save_checkpoint("ckpt", {"user": store}, extra={"step": 10})
+        >>> leanstate.save_checkpoint("ckpt-0", {"user": store}, extra={"step": 10})
+        >>> leanstate.save_checkpoint("ckpt-1", {"user": store}, base="ckpt-0")  # the changes only
     """
     _backend_argument(backend, "save_checkpoint")
     if process_group is not None:
@@ -103,6 +116,20 @@ def save_checkpoint(
     views = {t.name: _view_entry(t, whole, method) for t in targets if t.name not in whole}
     extra_bytes = None if extra is None else extra_bytes_of(extra, method)
     path = checked_target(path, method)
+    chain = _chain()
+    if base is not None:
+        return chain.save_delta(
+            path,
+            whole,
+            views,
+            base,
+            extra_bytes,
+            chunk_bytes=chunk_bytes,
+            pipelined=pipelined,
+            progress=progress,
+            method=method,
+        )
+    epochs = {name: target.store.next_epoch() for name, target in whole.items()}
     with staged(path, method) as staging:
         manifest = {
             "format": FORMAT_NAME,
@@ -118,7 +145,9 @@ def save_checkpoint(
             manifest["tables"][name] = table_entry(target.store.layout, file, chunks)
         if extra_bytes is not None:
             manifest["extra"] = write_extra(staging, extra_bytes)
-        publish(staging, path, manifest=manifest)
+        data = json.dumps(manifest, indent=1).encode()
+        publish(staging, path, manifest=data)
+    chain.set_marks(whole, epochs, data)
     return path
 
 
@@ -186,68 +215,37 @@ def load_checkpoint(
     check_chunk_bytes(method, chunk_bytes)
     id_range = check_id_range(id_range, method)
     targets = targets_of(tables, method)
-    version, manifest = read_manifest(path)
-    if version == 2:  # one process takes every rank's rows
+    version, manifest, digest = read_manifest_and_digest(path)
+    if version == 2 and not is_delta(manifest):  # one process takes every rank's rows
         if id_range is not None:
             raise ValueError(
                 "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
             )
         return load_into_plain(path, manifest, targets, chunk_bytes=chunk_bytes)
-    return _load(path, manifest, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
+    chain = _chain()
+    links = chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
+    return chain.load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
 
 
-def _load(
-    path: Path,
-    manifest: dict,
-    targets: list[Target],
-    *,
-    id_range,
-    chunk_bytes: int,
-    progress: Progress | None,
-) -> dict[str, object]:
-    method = "load_checkpoint"
-    plan: list[tuple[Target, TableRead]] = []
-    views = []
-    for target in targets:
-        if target.view is not None and target.view.read_only:
-            views.append(target)
-            continue
-        if not target.whole:
-            raise ValueError(
-                f"{method}: tables[{target.name!r}] is a writable partial view; load whole rows into "
-                "the store, a whole-row KVTensor, or pass the view read-only"
-            )
-        if target.name not in manifest["tables"]:
-            have = ", ".join(sorted(manifest["tables"])) or "none"
-            raise CheckpointError(f"table {target.name!r} is not in checkpoint {path} (it has: {have})")
-        table = manifest["tables"][target.name]
-        check_layout(path / table["file"], target.name, table, target.store)
-        plan.append((target, TableRead.of_v1(target.name, table, chunks_in_range(table, id_range))))
-    extra = read_extra(path, manifest)  # checked before any row is applied
-    slice_bytes = min(chunk_bytes, SLICE_BYTES)
-    keep = None if id_range is None else (lambda ids: in_range(ids, id_range))
+def compact_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Path:
+    """Merge the delta chain at ``src`` into one full checkpoint at ``dst``, streaming.
 
-    def verify() -> None:
-        for _, read in plan:
-            verify_table(path, read, slice_bytes)
+    Every link is checked as a load checks it; ``dst`` is written atomically, as a save
+    is, and holds exactly the bytes a full save (with the same ``chunk_bytes``) of stores
+    holding the chain's rows would: for each id the newest link that names it decides.
+    The head's views and extra state are kept. Returns ``dst``.
 
-    def apply(into_empty: bool) -> None:
-        tables = []
-        for target, read in plan:
-            total = manifest["tables"][target.name]["rows"]
-            report = None if progress is None else _reporter(progress, target.name, total)
-            tables.append((read, target.store, keep, report))
-        apply_tables(path, tables, into_empty=into_empty, slice_bytes=slice_bytes)
-        for target in views:  # a read-only view: its rows arrived with the whole rows
-            target.view.ignored_writes += manifest["views"].get(target.name, {}).get("rows", 0)
+    Example::
 
-    load_all_or_nothing([target.store for target, _ in plan], verify, apply)
-    return extra
-
-
-def _reporter(progress: Progress, name: str, total: int):
-    """``progress(table, rows_done, rows_total)`` as the chunk-apply step calls it."""
-    return lambda chunk, done: progress(name, done, total)
+        >>> leanstate.compact_checkpoint("ckpt-10", "ckpt-10-full")
+    """
+    method = "compact_checkpoint"
+    if not isinstance(src, str | os.PathLike):
+        raise TypeError(f"{method}: src must be a str or os.PathLike; got {type(src).__name__}")
+    check_chunk_bytes(method, chunk_bytes)
+    return _chain().compact(Path(src), dst, chunk_bytes=chunk_bytes, method=method)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:
