@@ -1,15 +1,16 @@
 """Delta checkpoints: a chain of links (a full checkpoint, then deltas holding the rows
 written and the ids removed since their base) read as one streaming merge.
 
-The format is ``leanstate.reference.delta_checkpoint`` (``spec/checkpoint_format.md``,
-"Delta checkpoints"); this is its hardened form, over the same checkpoint core as a
-full checkpoint: the same manifest read, chunk checks, load transaction and staged
-publish. Every file of every link is ascending by id, so the merge holds, per file, one
-slice at a time (two with the read-ahead): :func:`merged` takes from every file the ids
-up to the smallest last id any of them holds, and for each id the newest link decides.
+The format is ``spec/checkpoint_format.md``, "Delta checkpoints" (version 1, one
+process; version 2 across ranks is ``spec/sharding.md``, loaded by
+``leanstate.sharded_checkpoint`` over the same chain and merge); this is its hardened
+form, over the same checkpoint core as a full checkpoint: the same manifest read, chunk
+checks, load transaction and staged publish. Every file of every link is in saving
+order, so the links load as one streaming merge (``leanstate._checkpoint_merge``): for
+each id the newest link decides.
 
 - :func:`read_chain`: every link from the head to its full checkpoint, each base found
-  by its relative path and its manifest's SHA-256 (rules D2, D3);
+  by its relative path and its manifest's SHA-256, all of one version (rules D2, D3);
 - :func:`load_chain`: the load of a chain (a full checkpoint is a chain of one link).
   Into empty stores the full link is read in place, as a full load would, and then the
   deltas' merge is applied (upserts and deletes); into stores that hold rows every link
@@ -28,15 +29,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import crc32c
 import numpy as np
 import torch
 
 from leanstate._checkpoint_chunks import (
     ChunkFile,
     TableRead,
-    open_data_file,
-    read_chunks,
     rows_per_chunk,
     write_store,
 )
@@ -48,7 +46,6 @@ from leanstate._checkpoint_files import (
     read_manifest_and_digest,
     staged,
     write_extra,
-    write_synced,
 )
 from leanstate._checkpoint_format import (
     DELTA_FORMAT,
@@ -68,12 +65,11 @@ from leanstate._checkpoint_format import (
     table_entry,
 )
 from leanstate._checkpoint_load import apply_tables, load_all_or_nothing
+from leanstate._checkpoint_merge import LinkTable, apply_merge, merged, write_removed
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
 
 MAX_LINKS = 1000
-_NO_IDS = np.empty(0, dtype=np.int64)
-_NO_ROWS = np.empty((0, 0), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -92,17 +88,20 @@ class Link:
     def file(self) -> Path:
         return self.path / MANIFEST
 
+    @property
+    def version(self) -> int:
+        """1: saved by one process; 2: saved across ranks (``spec/sharding.md``)."""
+        return self.manifest["version"]
+
 
 def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
     """Every link from the checkpoint at ``path`` down to its full checkpoint, head first.
 
     Each manifest is checked against its schema; a base must exist, have the digest its
-    delta names, and not lead back into the chain; at most ``MAX_LINKS`` links."""
-    version, manifest, digest = read_manifest_and_digest(path)
-    if version == 2 and not is_delta(manifest):
-        raise CheckpointError(
-            f"{method}: {path / MANIFEST} was saved across ranks (version 2): pass process_group"
-        )
+    delta names, be of the head's version (1 or 2: a chain is saved by one process, or
+    across ranks, throughout) and not lead back into the chain; at most ``MAX_LINKS``
+    links."""
+    _, manifest, digest = read_manifest_and_digest(path)
     links = [Link(Path(path), manifest, digest)]
     visited = {os.path.realpath(path)}
     while links[-1].delta:
@@ -123,10 +122,11 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
             version, manifest, digest = read_manifest_and_digest(base_path)
         except FileNotFoundError as exc:
             raise CheckpointError(f"{link.file}: its base {base['path']!r} is missing ({exc})") from exc
-        if version == 2 and not is_delta(manifest):
+        if version != links[0].version:
+            across = {1: "by one process (version 1)", 2: "across ranks (version 2)"}
             raise CheckpointError(
-                f"{link.file}: its base {base_path} was saved across ranks (version 2); a chain of one "
-                "process holds version-1 checkpoints"
+                f"{link.file}: its base {base_path} was saved {across[version]}, the chain from {path} "
+                f"{across[links[0].version]}: every link of a chain is of one version"
             )
         if digest != base["manifest_sha256"]:
             raise CheckpointError(
@@ -137,17 +137,9 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
     return links
 
 
-@dataclass(frozen=True)
-class _Part:
-    """What a load reads of one table in one link: its rows' chunks and its removed ids."""
-
-    link: Link
-    read: TableRead
-    removed: dict | None  # None: the full checkpoint at the chain's end
-
-
-def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_range=None) -> list[_Part]:
-    """One table's parts, oldest link first; the table must be in every link with one layout (D4)."""
+def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_range=None) -> list[LinkTable]:
+    """One table's parts of a version-1 chain, oldest link first; the table must be in every
+    link with one layout (D4)."""
     parts, layout = [], None if store is None else store.layout
     for link in reversed(links):
         table = link.manifest["tables"].get(name)
@@ -166,157 +158,8 @@ def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_ran
         if store is not None:
             check_layout(link.path / table["file"], name, table, store)
         read = TableRead.of_v1(name, table, chunks_in_range(table, id_range))
-        parts.append(_Part(link, read, table.get("removed") if link.delta else None))
+        parts.append(LinkTable(link.path, read, (table["removed"],) if link.delta else ()))
     return parts
-
-
-# -- removed ids --------------------------------------------------------------------------
-
-
-def write_removed(file: Path, ids: np.ndarray) -> dict:
-    """Write the removed ids (ascending int64) to ``file``, fsynced; its manifest entry."""
-    data = np.ascontiguousarray(ids, dtype="<i8").tobytes()
-    write_synced(file, data)
-    ends = (int(ids[0]), int(ids[-1])) if len(ids) else (None, None)
-    return {
-        "file": file.name,
-        "ids": len(ids),
-        "bytes": len(data),
-        "min_id": ends[0],
-        "max_id": ends[1],
-        "crc": crc32c.crc32c(data),
-    }
-
-
-def removed_slices(path: Path, name: str, removed: dict, slice_bytes: int) -> Iterator[np.ndarray]:
-    """A delta table's removed ids in slices (each valid until the next is asked for),
-    checked (D6): the file regular and ``bytes`` long, ids non-negative and strictly
-    ascending, the first and last the manifest's; after the last, the CRC-32C."""
-    file = path / removed["file"]
-    count = removed["ids"]
-    with open_data_file(path, name, removed["file"], removed["bytes"]) as f:
-        buffer = bytearray(8 * max(1, min(count, slice_bytes // 8)))
-        crc, done, first, last = 0, 0, None, -1
-        while done < count:
-            view = memoryview(buffer)[: 8 * min(len(buffer) // 8, count - done)]
-            if f.readinto(view) != len(view):
-                raise CheckpointError(f"table {name!r}: {file} is truncated")
-            crc = crc32c.crc32c(view, value=crc)
-            ids = np.frombuffer(view, dtype="<i8")
-            if int(ids[0]) <= last or not bool((ids[1:] > ids[:-1]).all()):
-                raise CheckpointError(
-                    f"table {name!r}: {file}: the removed ids do not strictly ascend from 0"
-                )
-            first = int(ids[0]) if first is None else first
-            last, done = int(ids[-1]), done + len(ids)
-            yield ids
-    if crc != removed["crc"]:
-        raise CheckpointError(f"table {name!r}: {file} fails its crc32c check; the file is corrupt")
-    if count and (first, last) != (removed["min_id"], removed["max_id"]):
-        raise CheckpointError(
-            f"table {name!r}: {file} holds ids {first}..{last}, the manifest says "
-            f"{removed['min_id']}..{removed['max_id']}"
-        )
-
-
-# -- the merge ----------------------------------------------------------------------------
-
-
-class _Stream:
-    """One file of one link, in slices: rows (``uint8 [n, row_bytes]``) with their ids, or
-    removed ids. ``rank`` orders the links: the higher, the newer."""
-
-    def __init__(self, rank: int, where: str, slices: Iterator, row_bytes: int | None) -> None:
-        self.rank, self.where, self.row_bytes = rank, where, row_bytes
-        self._slices = slices
-        self.ids, self.rows = _NO_IDS, None
-        self.exhausted = False
-
-    def refill(self) -> None:
-        for item in self._slices:
-            if self.row_bytes is None:
-                self.ids = item
-                return
-            view = item[2]
-            if view is None:  # the end of a chunk: its checks passed
-                continue
-            self.rows = np.frombuffer(view, dtype=np.uint8).reshape(-1, self.row_bytes)
-            self.ids = np.frombuffer(view, dtype="<i8")[:: self.row_bytes // 8]
-            return
-        self.exhausted = True
-
-    def take(self, bound: int) -> tuple[np.ndarray, np.ndarray | None]:
-        cut = int(np.searchsorted(self.ids, bound, side="right"))
-        ids, self.ids = self.ids[:cut], self.ids[cut:]
-        if self.rows is None:
-            return ids, None
-        rows, self.rows = self.rows[:cut], self.rows[cut:]
-        return ids, rows
-
-    def close(self) -> None:
-        close = getattr(self._slices, "close", None)
-        if close is not None:
-            close()
-
-
-def _streams(parts: list[_Part], first_rank: int, slice_bytes: int) -> list[_Stream]:
-    streams = []
-    for rank, part in enumerate(parts, start=first_rank):
-        read = part.read
-        slices = read_chunks(part.link.path, read, slice_bytes, ahead=True)
-        streams.append(_Stream(rank, f"{part.link.path / read.files[0].file}", slices, read.row_bytes))
-        if part.removed is not None and part.removed["ids"]:
-            removed = removed_slices(part.link.path, read.name, part.removed, slice_bytes)
-            streams.append(_Stream(rank, f"{part.link.path / part.removed['file']}", removed, None))
-    return streams
-
-
-def merged(parts: list[_Part], slice_bytes: int = SLICE_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The merge of one table's ``parts`` (oldest first), ascending, in windows: ``(rows,
-    removed)``, the rows (``uint8 [n, row_bytes]``, a new array) and the removed ids
-    where the newest link naming an id decides. Every slice is checked as it is read."""
-    streams = _streams(parts, 0, slice_bytes)
-    try:
-        while True:
-            for stream in streams:
-                if not len(stream.ids) and not stream.exhausted:
-                    stream.refill()
-            live = [stream for stream in streams if len(stream.ids)]
-            if not live:
-                return
-            # No file can later hold an id at or below the smallest last id any holds now.
-            bound = min(int(stream.ids[-1]) for stream in live)
-            yield _resolve([(stream, *stream.take(bound)) for stream in live])
-    finally:
-        for stream in streams:
-            stream.close()
-
-
-def _resolve(parts: list[tuple[_Stream, np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray]:
-    """One window: for each id, the entry of the newest link wins."""
-    parts = [part for part in parts if len(part[1])]
-    if len(parts) == 1:
-        _, ids, rows = parts[0]
-        return (rows.copy(), _NO_IDS) if rows is not None else (_NO_ROWS, ids.copy())
-    ids = np.concatenate([part[1] for part in parts])
-    ranks = np.concatenate([np.full(len(part[1]), part[0].rank) for part in parts])
-    is_row = np.concatenate([np.full(len(part[1]), part[2] is not None) for part in parts])
-    order = np.lexsort((ranks, ids))
-    sorted_ids, sorted_ranks = ids[order], ranks[order]
-    same = sorted_ids[1:] == sorted_ids[:-1]
-    clash = same & (sorted_ranks[1:] == sorted_ranks[:-1])
-    if clash.any():
-        at = int(np.argmax(clash))
-        where = next(part[0].where for part in parts if part[0].rank == sorted_ranks[at] and part[2] is None)
-        raise CheckpointError(
-            f"{where}: id {int(sorted_ids[at])} is removed and also a row of the same delta"
-        )
-    winners = order[np.append(~same, True)]  # the last of each id: the newest link
-    row_of = np.cumsum(is_row) - 1
-    row_parts = [part[2] for part in parts if part[2] is not None]
-    rows = np.concatenate(row_parts) if row_parts else _NO_ROWS
-    won = winners[is_row[winners]]
-    return rows[row_of[won]], ids[winners[~is_row[winners]]]
 
 
 # -- load ---------------------------------------------------------------------------------
@@ -333,7 +176,7 @@ def load_chain(
 ) -> dict[str, object]:
     """Load the chain ``links`` (head first) into ``targets``; the head's extra state."""
     head = links[0]
-    plan: list[tuple[Target, list[_Part]]] = []
+    plan: list[tuple[Target, list[LinkTable]]] = []
     views = []
     for target in targets:
         if target.view is not None and target.view.read_only:
@@ -366,31 +209,30 @@ def load_chain(
             for target, parts in plan:
                 # Into empty stores the full link is in already: the deltas' merge goes on top.
                 # Into live ones the whole chain's rows are upserted, its removals left alone.
-                _apply_merge(target, parts[1:] if into_empty else parts, keep, into_empty, slice_bytes)
+                apply_merge(
+                    target.store,
+                    parts[1:] if into_empty else parts,
+                    keep=keep,
+                    delete=into_empty,
+                    slice_bytes=slice_bytes,
+                )
         for target in views:  # a read-only view: its rows arrived with the whole rows
             target.view.ignored_writes += head.manifest["views"].get(target.name, {}).get("rows", 0)
 
     empty = load_all_or_nothing([target.store for target, _ in plan], verify, apply)
-    if empty:  # each store now is the head checkpoint (its share): deltas can follow it
-        for target, _ in plan:
-            target.store.mark = ChangeMark(target.store.next_epoch(), head.digest)
+    mark_loaded([target.store for target, _ in plan], head.digest if empty else None)
     return extra
 
 
-def _apply_merge(target: Target, parts: list[_Part], keep, delete: bool, slice_bytes: int) -> None:
-    store, layout = target.store, target.store.layout
-    for rows, removed in merged(parts, slice_bytes):
-        if len(rows):
-            rows = torch.from_numpy(rows).view(layout.dtype).view(-1, layout.width)
-            if keep is not None:
-                rows = rows[keep(rows.view(torch.int64)[:, 0])]
-            store.set_rows(rows)
-        if delete and len(removed):
-            ids = torch.from_numpy(removed)
-            store.delete(ids if keep is None else ids[keep(ids)])
+def mark_loaded(stores: list[SupportsRows], digest: str | None) -> None:
+    """After a load: each store (all empty before) now is the checkpoint of ``digest`` (its
+    share), so deltas can follow it; ``None``: the stores held rows, they equal no
+    checkpoint, and their next save must be full."""
+    for store in stores:
+        store.mark = None if digest is None else ChangeMark(store.next_epoch(), digest)
 
 
-def _reporter(progress: Progress, name: str, parts: list[_Part]):
+def _reporter(progress: Progress, name: str, parts: list[LinkTable]):
     total = parts[0].read.rows
     return lambda chunk, done: progress(name, done, total)
 
@@ -414,6 +256,11 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
     """Merge the chain at ``src`` into one full checkpoint at ``dst`` (see
     ``leanstate.compact_checkpoint``)."""
     links = read_chain(src, method)
+    if links[0].version == 2:
+        raise CheckpointError(
+            f"{method}: {src / MANIFEST} was saved across ranks (version 2); only version-1 chains "
+            "are compacted: load it with process_group and save a full checkpoint"
+        )
     dst = checked_target(dst, method)
     taken = {os.path.realpath(link.path) for link in links}
     if os.path.realpath(dst) in taken or any(os.path.realpath(dst).startswith(t + os.sep) for t in taken):
@@ -442,7 +289,7 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
     return dst
 
 
-def _write_merge(file: Path, layout: RowLayout, parts: list[_Part], chunk_bytes: int) -> list[dict]:
+def _write_merge(file: Path, layout: RowLayout, parts: list[LinkTable], chunk_bytes: int) -> list[dict]:
     """The merge of ``parts`` written to ``file`` in chunks of a full save's size."""
     per_chunk = rows_per_chunk(layout, chunk_bytes)
     buffers = [np.empty((per_chunk, layout.row_bytes), dtype=np.uint8) for _ in range(2)]
@@ -495,7 +342,7 @@ def save_delta(
         version, base_manifest, digest = read_manifest_and_digest(base)
     except FileNotFoundError as exc:
         raise ValueError(f"{method}: base={str(base)!r} is not a checkpoint ({exc})") from exc
-    if version == 2 and not is_delta(base_manifest):
+    if version == 2:
         raise ValueError(f"{method}: base {base} was saved across ranks; save its delta with process_group=")
     resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
     if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):

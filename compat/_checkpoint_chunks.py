@@ -49,6 +49,14 @@ def saving_order(
     """The store's keys on the host in saving order, and their buckets: ascending ids, or
     (with ``bucketing = (buckets, bucket_size)``) ascending (bucket, id)."""
     keys = store.keys().cpu()  # recomputed now: the store may have grown since any view was made
+    return bucket_major(keys, bucketing)
+
+
+def bucket_major(
+    keys: torch.Tensor, bucketing: tuple[int, int | None] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ascending ``keys`` (host int64) in saving order, and their buckets: as they are, or
+    (with ``bucketing``) sorted by (bucket, id)."""
     if bucketing is None:
         return keys, None
     buckets = bucket_of(keys, total_num_buckets=bucketing[0], bucket_size=bucketing[1])
@@ -158,7 +166,8 @@ def write_store(
     """Stream a store's rows into ``file`` in saving order, in chunks (within one bucket when
     bucketed, each entry then naming its ``bucket``); the chunks' manifest entries.
 
-    ``keys``: the ids to write (ascending; a delta's written ids), instead of every key.
+    ``keys``: the ids to write (ascending; a delta's written ids), instead of every key;
+    with ``bucketing`` they are written bucket-major too.
     ``dropped``: where the ids deleted since the keys were listed are appended.
     ``progress(rows_done, rows_total)`` is called after each chunk. Pipelined, two host
     buffers alternate: the gather of chunk k+1 overlaps the write of chunk k.
@@ -166,7 +175,7 @@ def write_store(
     if keys is None:
         keys, buckets = saving_order(store, bucketing)
     else:
-        keys, buckets = keys.cpu(), None
+        keys, buckets = bucket_major(keys.cpu(), bucketing)
     spans = chunk_spans(len(keys), rows_per_chunk(store.layout, chunk_bytes), buckets)
     buffers = (
         host_buffers(store, max((end - start for start, end in spans), default=0)) if pipelined else None
@@ -252,11 +261,15 @@ def in_bucket(keys: numpy.ndarray, bucketing: tuple[int, int | None], bucket: in
     """Whether every key (all >= 0) lies in ``bucket``: ``bucket_of``'s rule, in numpy, because
     a version-2 chunk holds one bucket's rows, a few hundred, and four torch calls a chunk
     cost more than the load's copy of them."""
+    return bool((buckets_of(keys, bucketing) == bucket).all())
+
+
+def buckets_of(keys: numpy.ndarray, bucketing: tuple[int, int | None]) -> numpy.ndarray:
+    """The bucket of each key (all >= 0): ``bucket_of``'s rule, in numpy."""
     import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
 
     buckets, size = bucketing
-    of = keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
-    return bool((of == bucket).all())
+    return keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
 
 
 class _ChunkCheck:

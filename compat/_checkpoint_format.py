@@ -274,14 +274,14 @@ def manifest_problem(manifest: object) -> str | None:
     return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
 
 
-def manifest_v2_problem(manifest: dict) -> str | None:
+def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str | None:
     """The first way a version-2 (across ranks) ``manifest`` breaks its schema
-    (``spec/sharding.md``), or None."""
+    (``spec/sharding.md``), or None. ``format_name``: of a full checkpoint, or of a delta."""
     missing = [key for key in ("format", "version", "world_size", "tables", "extra") if key not in manifest]
     if missing:
         return f"the required key {missing[0]!r} is missing"
-    if manifest.get("format") != FORMAT_NAME:
-        return f"format is {manifest.get('format')!r}, not {FORMAT_NAME!r}"
+    if manifest.get("format") != format_name:
+        return f"format is {manifest.get('format')!r}, not {format_name!r}"
     if not isinstance(manifest.get("tables"), dict):
         return "'tables' must be an object"
     problem = extra_problem(manifest["extra"])
@@ -336,12 +336,15 @@ def is_delta(manifest: object) -> bool:
 
 def delta_manifest_problem(manifest: dict) -> str | None:
     """The first way a delta's ``manifest`` breaks its schema (rules D1, D2, D5 and a full
-    table's R3-R8 for its rows), or None."""
+    table's R3-R8 for its rows; version 2: a version-2 table's rules, each file with its
+    removed ids), or None."""
+    if "version" in manifest and is_count(manifest["version"]) and manifest["version"] == 2:
+        return delta_v2_problem(manifest)
     missing = [key for key in DELTA_KEYS if key not in manifest]
     if missing:
         return f"the required key {missing[0]!r} is missing"
     if not is_count(manifest["version"]) or manifest["version"] != 1:
-        return f"format version {manifest['version']!r} of a delta is not supported (this leanstate reads 1)"
+        return f"format version {manifest['version']!r} of a delta is not supported (this leanstate reads 1 and 2)"
     problem = base_problem(manifest["base"])
     if problem is not None:
         return problem
@@ -356,6 +359,37 @@ def delta_manifest_problem(manifest: dict) -> str | None:
         if problem is not None:
             return problem
     return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+
+
+def delta_v2_problem(manifest: dict) -> str | None:
+    """The first way a version-2 delta's ``manifest`` (saved across ranks, ``spec/
+    sharding.md``) breaks its schema, or None: a version-2 manifest's rules with the delta
+    format's name, ``base`` (D2), plain table names, and per file its ``rank`` and its
+    ``removed`` entry (D5; its ids in bucket-major order, so ``min_id``/``max_id`` are the
+    file's first and last, not its extremes)."""
+    missing = [key for key in (*DELTA_KEYS, "world_size") if key != "views" and key not in manifest]
+    if missing:
+        return f"the required key {missing[0]!r} is missing"
+    if not (is_count(manifest["world_size"]) and manifest["world_size"] >= 1):
+        return f"world_size must be an int >= 1; got {manifest['world_size']!r}"
+    problem = base_problem(manifest["base"]) or manifest_v2_problem(manifest, DELTA_FORMAT)
+    if problem is not None:
+        return problem
+    for name, table in manifest["tables"].items():
+        problem = table_name_problem(name)
+        if problem is not None:
+            return f"tables[{name!r}]: the name {problem}"
+        for i, entry in enumerate(table["files"]):
+            key = f"tables[{name!r}].files[{i}]"
+            rank = entry.get("rank")
+            if not (is_count(rank) and rank < manifest["world_size"]):
+                return f"{key}.rank must be an int in [0, world_size); got {rank!r}"
+            problem = removed_problem(
+                f"{key}.removed", entry.get("removed"), f"{name}.rank{rank}", ordered=False
+            )
+            if problem is not None:
+                return problem
+    return None
 
 
 def base_problem(base: object) -> str | None:
@@ -376,8 +410,9 @@ def base_problem(base: object) -> str | None:
     return None
 
 
-def removed_problem(key: str, removed: object, name: str) -> str | None:
-    """D5: a delta table's removed-ids entry."""
+def removed_problem(key: str, removed: object, name: str, *, ordered: bool = True) -> str | None:
+    """D5: a delta table's removed-ids entry (its file ``NAME.removed``). ``ordered``: the
+    ids ascend, so ``min_id <= max_id`` (version 2's bucket-major files need not)."""
     if not isinstance(removed, dict):
         return f"{key} must be an object {{file, ids, bytes, min_id, max_id, crc}}"
     if removed.get("file") != name + REMOVED_SUFFIX:
@@ -389,8 +424,8 @@ def removed_problem(key: str, removed: object, name: str) -> str | None:
     ends = (removed.get("min_id"), removed.get("max_id"))
     if removed["ids"] == 0:
         return None if ends == (None, None) else f"{key}.min_id/max_id must be null when ids is 0"
-    if not (is_id(ends[0]) and is_id(ends[1]) and ends[0] <= ends[1]):
-        return f"{key}.min_id/max_id must be ids with min_id <= max_id; got {ends}"
+    if not (is_id(ends[0]) and is_id(ends[1]) and (ends[0] <= ends[1] or not ordered)):
+        return f"{key}.min_id/max_id must be ids{' with min_id <= max_id' if ordered else ''}; got {ends}"
     if removed["ids"] == 1 and ends[0] != ends[1]:
         return f"{key}: one id, so min_id and max_id are equal"
     return None

@@ -108,7 +108,9 @@ def save_checkpoint(
     """
     _backend_argument(backend, "save_checkpoint")
     if process_group is not None:
-        return save_sharded(path, tables, process_group=process_group, extra=extra, chunk_bytes=chunk_bytes)
+        return save_sharded(
+            path, tables, process_group=process_group, extra=extra, chunk_bytes=chunk_bytes, base=base
+        )
     method = "save_checkpoint"
     check_chunk_bytes(method, chunk_bytes)
     targets = targets_of(tables, method)
@@ -216,12 +218,12 @@ def load_checkpoint(
     id_range = check_id_range(id_range, method)
     targets = targets_of(tables, method)
     version, manifest, digest = read_manifest_and_digest(path)
-    if version == 2 and not is_delta(manifest):  # one process takes every rank's rows
+    if version == 2:  # one process takes every rank's rows (of every link of a delta's chain)
         if id_range is not None:
             raise ValueError(
                 "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
             )
-        return load_into_plain(path, manifest, targets, chunk_bytes=chunk_bytes)
+        return load_into_plain(path, manifest, digest, targets, chunk_bytes=chunk_bytes)
     chain = _chain()
     links = chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
     return chain.load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)

@@ -8,33 +8,52 @@ each rank reads only the chunks of the buckets it owns there, each one CRC-check
 before its rows are applied. A version-1 checkpoint (one process, ascending ids) loads
 too: each rank then reads every chunk and keeps the rows it owns.
 
+A *delta* (``base=``) holds, per rank, only the rows its stores wrote and the ids they
+removed since their change marks (at ``base``), bucket-major too; a load of a delta
+loads its whole chain, each rank reading from every link only the chunks and removed
+ids of the buckets it owns (``spec/sharding.md``, "Delta checkpoints across ranks").
+
 Example (on every rank)::
 
     >>> save_checkpoint("ckpt", ebc.checkpoint_tables(), extra=ebc.extra_state(), process_group=group)
-    >>> load_checkpoint("ckpt", fresh.checkpoint_tables(), process_group=group)
+    >>> save_checkpoint("ckpt-1", ebc.checkpoint_tables(), process_group=group, base="ckpt")
+    >>> load_checkpoint("ckpt-1", fresh.checkpoint_tables(), process_group=group)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from leanstate import _checkpoint_files as files
-from leanstate._checkpoint_chunks import FileChunks, TableRead, read_chunks, write_store
-from leanstate._checkpoint_files import read_manifest
+from leanstate._checkpoint_chunks import (
+    FileChunks,
+    TableRead,
+    bucket_major,
+    buckets_of,
+    read_chunks,
+    write_store,
+)
+from leanstate._checkpoint_files import read_manifest, read_manifest_and_digest
 from leanstate._checkpoint_format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
+    DELTA_FORMAT,
     MANIFEST,
+    REMOVED_SUFFIX,
     SLICE_BYTES,
     Target,
     check_chunk_bytes,
     check_layout,
+    is_delta,
     layout_fields,
     targets_of,
 )
@@ -43,11 +62,26 @@ from leanstate._checkpoint_load import (
     load_all_or_nothing,
     verify_table,
 )
-from leanstate._checkpoint_ranks import broadcast, staged_by_rank_0
+from leanstate._checkpoint_ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
-from leanstate.reference.sharding import BucketedTable, describe_bucketing, owner_of_bucket
+from leanstate.reference.kv_store import ChangeMark
+from leanstate.reference.sharding import BucketedTable, bucket_range, describe_bucketing, owner_of_bucket
 
 FORMAT_VERSION = 2
+
+
+def _chain():
+    """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
+    from leanstate import _checkpoint_chain
+
+    return _checkpoint_chain
+
+
+def _merge():
+    """The merge module, imported on first use (numpy, as :func:`_chain`)."""
+    from leanstate import _checkpoint_merge
+
+    return _checkpoint_merge
 
 
 def _check_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
@@ -59,11 +93,64 @@ def _check_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
     targets_of({name: t.store for name, t in tables.items()}, method)  # the names' rules
 
 
-def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int) -> dict:
-    """This rank's rows of one table, bucket-major, chunks within one bucket; the file's entry."""
-    chunks = write_store(table.store, file, chunk_bytes, bucketing=(table.buckets, table.bucket_size))
+def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int, changes=None) -> dict:
+    """This rank's rows of one table, bucket-major, chunks within one bucket; the file's entry.
+
+    ``changes``: a delta's ``(written, removed)`` ids: only the written ids' rows, and the
+    removed ids (with those deleted while saving) in ``<table>.rank<r>.removed``, in the
+    same (bucket, id) order."""
+    bucketing = (table.buckets, table.bucket_size)
+    keys, dropped = (None, None) if changes is None else (changes[0], [])
+    chunks = write_store(table.store, file, chunk_bytes, keys=keys, dropped=dropped, bucketing=bucketing)
     row_bytes = table.store.layout.row_bytes
-    return {"file": file.name, "bytes": sum(c["rows"] for c in chunks) * row_bytes, "chunks": chunks}
+    entry = {"file": file.name, "bytes": sum(c["rows"] for c in chunks) * row_bytes, "chunks": chunks}
+    if changes is not None:
+        gone = torch.unique(torch.cat([changes[1].cpu(), *dropped]))  # ascending, then bucket-major
+        removed = file.with_name(file.name.removesuffix(".rows") + REMOVED_SUFFIX)
+        entry["removed"] = _merge().write_removed(removed, bucket_major(gone, bucketing)[0].numpy())
+    return entry
+
+
+def _delta_base(
+    path: Path, base: object, tables: Mapping[str, BucketedTable], method: str
+) -> tuple[dict, str]:
+    """A delta's ``base`` entry and the base manifest's digest, once ``base`` is a version-2
+    checkpoint with ``tables``' names, layouts and bucketing, and every store's change mark
+    is at it; else a ``ValueError`` naming the table (this rank's view)."""
+    try:
+        version, manifest, digest = read_manifest_and_digest(base)
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"base={str(base)!r} is not a checkpoint ({exc}); save a full checkpoint first"
+        ) from exc
+    if version != 2:
+        raise ValueError(
+            f"base {base} was saved by one process (version 1); a delta across ranks needs a version-2 "
+            "base: save a full checkpoint with process_group first"
+        )
+    resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
+    if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):
+        raise ValueError(f"path {path} is the base checkpoint (or inside it): save the delta beside it")
+    if set(tables) != set(manifest["tables"]):
+        raise ValueError(
+            f"a delta saves the tables of its base; base {base} has {sorted(manifest['tables'])}, "
+            f"tables has {sorted(tables)}; save a full checkpoint first (base=None)"
+        )
+    for name, table in tables.items():
+        try:
+            _check_table(Path(base), name, manifest["tables"][name], table)
+        except CheckpointError as exc:
+            raise ValueError(
+                f"tables[{name!r}] does not match its base ({exc}); save a full checkpoint first (base=None)"
+            ) from exc
+        mark = getattr(table.store, "mark", None)
+        if mark is None or mark.checkpoint != digest:
+            raise ValueError(
+                f"tables[{name!r}]: the store's changes are not tracked since base {base} "
+                f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
+                "save a full checkpoint first (base=None), then deltas against it"
+            )
+    return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}, digest
 
 
 def save_sharded(
@@ -73,17 +160,37 @@ def save_sharded(
     process_group: dist.ProcessGroup,
     extra: Mapping[str, object] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    base: str | os.PathLike | None = None,
 ) -> Path:
     """Save every rank's share of ``tables`` into one checkpoint at ``path``. Call on every rank.
 
     ``extra`` is taken from rank 0. A failure on any rank fails the save on every rank
-    and leaves ``path`` as it was.
+    and leaves ``path`` as it was. ``base``: save a delta of that version-2 checkpoint
+    (the rows written and ids removed since each store's change mark, which must be at
+    ``base``; checked on every rank, refused on every rank if any fails). Once the save
+    is published, every store's mark is at it.
     """
     method = "save_checkpoint"
     _check_tables(tables, method)
     check_chunk_bytes(method, chunk_bytes)
+    if base is not None and not isinstance(base, str | os.PathLike):
+        raise TypeError(f"{method}: base must be the path of a checkpoint (str or os.PathLike); got {base!r}")
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     path = Path(path)
+    delta, problem = None, None
+    if base is not None:
+        try:
+            delta = _delta_base(path, Path(base), tables, method)[0]
+        except ValueError as exc:
+            problem = f"rank {rank}: {exc}"
+        failed = [p for p in from_every_rank(problem, process_group) if p is not None]
+        if failed:  # every rank refuses, naming the first rank that found a problem
+            raise ValueError(f"{method}: the delta cannot be saved: {failed[0]}")
+    # Before any row is read: what is written from now on belongs to the next checkpoint.
+    epochs = {name: table.store.next_epoch() for name, table in tables.items()}
+    changes = {}
+    if delta is not None:
+        changes = {name: table.store.changes(since=table.store.mark.epoch) for name, table in tables.items()}
     extra_bytes = []  # rank 0's, serialised (and checked) before any rank writes
 
     def prepare() -> Path:
@@ -97,46 +204,62 @@ def save_sharded(
         try:
             for name, table in tables.items():
                 file = staging / f"{name}.rank{rank}.rows"
-                written[name] = _write_rank_file(table, file, chunk_bytes)
+                written[name] = _write_rank_file(table, file, chunk_bytes, changes.get(name))
         except Exception as exc:
             problem = f"rank {rank}: writing {file.name}: {type(exc).__name__}: {exc}"
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(
             (problem, written), gathered, dst=dist.get_global_rank(process_group, 0), group=process_group
         )
-        outcome = None
+        outcome, digest = None, None
         if rank == 0:
             outcome = next((p for p, _ in gathered if p is not None), None)
             try:
                 if outcome is None:
-                    _commit(
+                    digest = _commit(
                         path,
                         staging,
                         tables,
                         [f for _, f in gathered],
                         world,
                         extra_bytes[0] if extra_bytes else None,
+                        delta,
                     )
             except Exception as exc:
                 outcome = f"rank 0: {type(exc).__name__}: {exc}"
-        outcome = broadcast(outcome, process_group)
+        outcome, digest = broadcast((outcome, digest), process_group)
         if outcome is not None:  # (on rank 0, leaving the block removes the staging directory)
             raise CheckpointError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
+    for name, table in tables.items():  # published: each store's changes are tracked since it
+        table.store.mark = ChangeMark(epochs[name], digest)
     return path
 
 
-def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world: int, extra_bytes) -> None:
-    """Rank 0, once every rank has fsynced its files: extra, manifest last, rename into place."""
+def _file_entry(written: dict, rank: int) -> dict:
+    """A rank's file entry in the manifest: file, bytes, chunks, rank (and a delta's removed)."""
+    entry = {key: written[key] for key in ("file", "bytes", "chunks")}
+    entry["rank"] = rank
+    if "removed" in written:
+        entry["removed"] = written["removed"]
+    return entry
+
+
+def _commit(
+    path: Path, staging: Path, tables, files_by_rank: list[dict], world: int, extra_bytes, delta: dict | None
+) -> str:
+    """Rank 0, once every rank has fsynced its files: extra, manifest last, rename into
+    place; the SHA-256 of the manifest's bytes."""
     manifest = {
-        "format": FORMAT_NAME,
+        "format": FORMAT_NAME if delta is None else DELTA_FORMAT,
         "version": FORMAT_VERSION,
         "world_size": world,
+        **({} if delta is None else {"base": delta}),
         "tables": {},
         "extra": None,
     }
     for name, table in tables.items():
         layout = table.store.layout
-        per_rank = [dict(by_rank[name], rank=r) for r, by_rank in enumerate(files_by_rank)]
+        per_rank = [_file_entry(by_rank[name], r) for r, by_rank in enumerate(files_by_rank)]
         rows = sum(c["rows"] for f in per_rank for c in f["chunks"])
         manifest["tables"][name] = {
             **layout_fields(layout),
@@ -147,7 +270,9 @@ def _commit(path: Path, staging: Path, tables, files_by_rank: list[dict], world:
         }
     if extra_bytes is not None:
         manifest["extra"] = files.write_extra(staging, extra_bytes)
-    files.publish(staging, path, manifest=manifest)
+    data = json.dumps(manifest, indent=1).encode()
+    files.publish(staging, path, manifest=data)
+    return hashlib.sha256(data).hexdigest()
 
 
 # -- load ---------------------------------------------------------------------------------
@@ -192,16 +317,20 @@ def load_sharded(
     *,
     process_group: dist.ProcessGroup | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    manifest: dict | None = None,
+    head: tuple[dict, str] | None = None,
 ) -> dict[str, object]:
     """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every
     rank (``process_group=None``: one process, which owns every id and reads every chunk).
 
     Version 2: only the chunks of buckets this rank owns are read. Version 1: every chunk
-    is read and only owned rows are applied. ``manifest``: the checkpoint's, when the
-    caller has read it already. Returns the extra state; the statistics of the load are
-    in :data:`last_load_stats` (this rank's bytes and chunks read). If any rank fails,
-    every rank raises and rows loaded into empty stores are removed.
+    is read and only owned rows are applied. A delta loads its whole chain: from every
+    link the same chunks, and the removed ids of the buckets this rank owns. ``head``:
+    the checkpoint's manifest and its digest, when the caller has read them already.
+    Returns the extra state; the statistics of the load are in :data:`last_load_stats`
+    (this rank's bytes and chunks read). If any rank fails, every rank raises and rows
+    loaded into empty stores are removed. After a load into stores empty on every rank,
+    each store's change mark is at the loaded checkpoint; after one into live stores, at
+    none (their next save is a full one).
     """
     method = "load_checkpoint"
     _check_tables(tables, method)
@@ -213,23 +342,25 @@ def load_sharded(
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
     counting = threading.Lock()
-    plan: list[tuple[BucketedTable, TableRead]] = []
+    plan: list[tuple[BucketedTable, list]] = []  # per table: what each link gives, oldest first
+    links: list = []  # head first
     extra: dict[str, object] = {}
     slice_bytes = min(chunk_bytes, SLICE_BYTES)
 
     def prepare() -> None:
         nonlocal extra
-        saved = read_manifest(path)[1] if manifest is None else manifest
-        missing = [name for name in tables if name not in saved["tables"]]
-        if missing:
-            raise CheckpointError(
-                f"{path / MANIFEST}: no table {missing[0]!r} (it has {list(saved['tables'])})"
-            )
+        links.extend(_links(path, head))
+        for link in links:
+            missing = [name for name in tables if name not in link.manifest["tables"]]
+            if missing:
+                raise CheckpointError(
+                    f"{link.file}: no table {missing[0]!r} (it has {list(link.manifest['tables'])})"
+                )
+            for name, table in tables.items():
+                _check_table(link.path, name, link.manifest["tables"][name], table)
+        extra = files.read_extra(path, links[0].manifest)
         for name, table in tables.items():
-            _check_table(path, name, saved["tables"][name], table)
-        extra = files.read_extra(path, saved)
-        for name, table in tables.items():
-            plan.append((table, _table_read(name, saved["tables"][name], table.buckets, rank, world)))
+            plan.append((table, [_link_table(link, name, table, rank, world) for link in reversed(links)]))
 
     def count(read: TableRead):
         def counted(chunk: dict, *_) -> None:
@@ -240,28 +371,98 @@ def load_sharded(
         return counted
 
     def verify() -> None:
-        for _, read in plan:
-            verify_table(path, read, slice_bytes, count(read))
+        for _, parts in plan:
+            if len(parts) == 1:
+                verify_table(parts[0].path, parts[0].read, slice_bytes, count(parts[0].read))
+            else:
+                for _ in _merge().merged(parts, slice_bytes):
+                    pass
 
     def apply(into_empty: bool) -> None:
         stats.update(dict.fromkeys(stats, 0))  # the figures of the pass that applies
-        applying = []
-        for table, read in plan:
-            # A version-1 file holds every rank's rows: apply the ones this rank owns.
-            keep = None if world == 1 or read.bucketing is not None else _owned_by(table, rank, world)
-            applying.append((read, table.store, keep, count(read)))
+        applying, chain = [], len(links) > 1
+        for table, parts in plan:
+            keep = _keep(table, parts[0].read, rank, world)
+            # Into empty stores (or without deltas) the full link loads as a full load reads it.
+            if into_empty or not chain:
+                applying.append((parts[0].read, table.store, keep, count(parts[0].read)))
         stats["rows_loaded"] = sum(
-            apply_tables(path, applying, into_empty=into_empty, slice_bytes=slice_bytes)
+            apply_tables(links[-1].path, applying, into_empty=into_empty, slice_bytes=slice_bytes)
         )
+        if chain:
+            for table, parts in plan:
+                # On top of the full link, the deltas' merge; into live stores, the whole
+                # chain's rows upserted (a removal leaves the store's own row alone).
+                merging = parts[1:] if into_empty else parts
+                for part in merging:  # (counted as planned: the merge reads every chunk listed)
+                    counted = count(part.read)
+                    for _, chunk in (c for piece in part.read.files for c in piece.chunks):
+                        counted(chunk)
+                keep = _keep(table, parts[0].read, rank, world)
+                stats["rows_loaded"] += _merge().apply_merge(
+                    table.store, merging, keep=keep, delete=into_empty, slice_bytes=slice_bytes
+                )
 
     try:
         stores = [table.store for table in tables.values()]
-        load_all_or_nothing(
+        empty = load_all_or_nothing(
             stores, verify, apply, prepare=prepare, group=process_group, gather_errors=True, method=method
         )
     finally:
         _record(stats)  # also when the load fails: what this rank read before it did
+    _chain().mark_loaded(stores, links[0].digest if empty else None)
     return extra
+
+
+def _links(path: Path, head: tuple[dict, str] | None) -> list:
+    """The checkpoint at ``path`` and, for a delta, every link of its chain, head first."""
+    chain = _chain()
+    if head is None:
+        _, manifest, digest = read_manifest_and_digest(path)
+    else:
+        manifest, digest = head
+    return chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
+
+
+def _link_table(link, name: str, table: BucketedTable, rank: int, world: int):
+    """What this rank reads of one table in one link: the chunks of the buckets it owns
+    (every chunk of version 1), and a delta's removed-id files that may hold ids of its
+    buckets (a file is bucket-major: its buckets run from its first id's to its last's)."""
+    saved = link.manifest["tables"][name]
+    read = _table_read(name, saved, table.buckets, rank, world)
+    if not link.delta:
+        return _merge().LinkTable(link.path, read)
+    if link.version == 1:
+        removed = (saved["removed"],)
+    else:
+        first, end = bucket_range(rank, world, table.buckets)
+        removed = []
+        for entry in saved["files"]:
+            ends = entry["removed"]
+            if ends["ids"]:
+                buckets = table.bucket(torch.tensor([ends["min_id"], ends["max_id"]])).tolist()
+                if min(buckets) < end and max(buckets) >= first:
+                    removed.append(ends)
+        removed = tuple(removed)
+    keep = None if world == 1 else _owned_ids(table, rank, world)
+    return _merge().LinkTable(link.path, read, removed, keep)
+
+
+def _owned_ids(table: BucketedTable, rank: int, world: int):
+    """Which ids (a numpy array) of ``table`` this rank owns, as a numpy mask."""
+    bucketing = (table.buckets, table.bucket_size)
+
+    def owned(ids):
+        buckets = buckets_of(ids, bucketing)
+        return owner_of_bucket(buckets, world_size=world, total_num_buckets=table.buckets) == rank
+
+    return owned
+
+
+def _keep(table: BucketedTable, read: TableRead, rank: int, world: int):
+    """Which rows of a slice this rank applies: all of a version-2 chunk of a bucket it owns;
+    of a version-1 file (every rank's rows), the ones it owns."""
+    return None if world == 1 or read.bucketing is not None else _owned_by(table, rank, world)
 
 
 def _owned_by(table: BucketedTable, rank: int, world: int):
@@ -309,11 +510,16 @@ def verify_sharded(path: str | os.PathLike):
 
 
 def load_into_plain(
-    path: Path, manifest: dict, targets: list[Target], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    path: Path,
+    manifest: dict,
+    digest: str,
+    targets: list[Target],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> dict[str, object]:
-    """Load a version-2 checkpoint (its ``manifest`` already read) into plain stores (or
-    whole-row KVTensors) in one process: every rank's file is read, every row applied,
-    with the same checks and all-or-nothing."""
+    """Load a version-2 checkpoint or chain (its head's ``manifest`` and ``digest`` already
+    read) into plain stores (or whole-row KVTensors) in one process: every rank's file of
+    every link is read, every row applied, with the same checks and all-or-nothing."""
     bucketed = {}
     for target in targets:
         if target.view is not None and target.view.read_only:
@@ -323,4 +529,4 @@ def load_into_plain(
             "bucket_size": None,
         }
         bucketed[target.name] = BucketedTable(target.store, saved["buckets"], saved["bucket_size"])
-    return load_sharded(path, bucketed, process_group=None, chunk_bytes=chunk_bytes, manifest=manifest)
+    return load_sharded(path, bucketed, process_group=None, chunk_bytes=chunk_bytes, head=(manifest, digest))
