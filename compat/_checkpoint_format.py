@@ -338,13 +338,15 @@ def delta_manifest_problem(manifest: dict) -> str | None:
     """The first way a delta's ``manifest`` breaks its schema (rules D1, D2, D5 and a full
     table's R3-R8 for its rows; version 2: a version-2 table's rules, each file with its
     removed ids), or None."""
-    if "version" in manifest and is_count(manifest["version"]) and manifest["version"] == 2:
+    if "version" not in manifest:
+        return "the required key 'version' is missing"
+    if not is_count(manifest["version"]) or manifest["version"] not in (1, 2):
+        return f"format version {manifest['version']!r} of a delta is not supported (this leanstate reads 1 and 2)"
+    if manifest["version"] == 2:
         return delta_v2_problem(manifest)
     missing = [key for key in DELTA_KEYS if key not in manifest]
     if missing:
         return f"the required key {missing[0]!r} is missing"
-    if not is_count(manifest["version"]) or manifest["version"] != 1:
-        return f"format version {manifest['version']!r} of a delta is not supported (this leanstate reads 1 and 2)"
     problem = base_problem(manifest["base"])
     if problem is not None:
         return problem
