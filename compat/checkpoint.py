@@ -99,7 +99,9 @@ def save_checkpoint(
     ``base``: save a *delta* of that checkpoint (full or itself a delta): only the rows
     written and the ids removed since it (each store tracks its changes since the last
     checkpoint it was saved to or loaded from empty; ``spec/checkpoint_format.md``,
-    "Delta checkpoints"). ``load_checkpoint`` of the delta loads the whole chain.
+    "Delta checkpoints"). ``load_checkpoint`` of the delta loads the whole chain. With
+    ``process_group`` the base is a version-2 checkpoint and each rank writes its own
+    changes (``spec/sharding.md``, "Delta checkpoints across ranks").
 
     Example::
 
@@ -197,7 +199,8 @@ def load_checkpoint(
     With ``process_group`` (call on every rank) ``tables`` is a sharded module's
     ``checkpoint_tables()``, and a checkpoint saved at any world size (or by one process)
     loads: each rank reads only the chunks of the buckets it owns. ``backend`` is
-    deprecated and ignored.
+    deprecated and ignored. A delta loads its whole chain, with or without
+    ``process_group`` (a version-2 chain into plain stores: every rank's rows).
 
     Example::
 

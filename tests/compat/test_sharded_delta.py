@@ -29,7 +29,7 @@ from leanstate import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.compat.sharded_models import G, configs, local_batch, upstream
+from tests.compat.sharded_models import G, configs, global_batch, local_batch, upstream
 from tests.harness import run_world
 
 DELTAS = 3  # each history: a full checkpoint c0, then deltas d1..d3
@@ -286,6 +286,32 @@ def a_delta_needs_its_base_on_every_rank(rank, world, folder):
     assert not (folder / "refuse" / "d1").exists()
 
 
+def a_version_1_chain_loads_across_ranks(rank, world, folder):
+    """A chain saved by one process (version 1) loads with process_group too: each rank
+    reads every chunk and removed id and applies those of the buckets it owns."""
+    folder = Path(folder) / "v1-chain"
+    single = KVEmbeddingBagCollection(configs(), clock=lambda: 1000)  # the same on every rank
+    for step in range(2):
+        single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+    if rank == 0:
+        save_checkpoint(folder / "c0", single.checkpoint_tables())
+    for step in range(2, 4):
+        single(global_batch(step)).values().mul(upstream(step)).sum().backward()
+    for bag in single.embedding_bags.values():
+        bag.store.delete(bag.store.keys()[::3])
+    if rank == 0:
+        save_checkpoint(folder / "d1", single.checkpoint_tables(), base=folder / "c0")
+    dist.barrier()
+    module = build()
+    load_checkpoint(folder / "d1", module.checkpoint_tables(), process_group=dist.group.WORLD)
+    for name, table in module.checkpoint_tables().items():
+        full = single.embedding_bags[name.removesuffix(".weight")].store
+        keys = full.keys()
+        keys = keys[table.owner(keys, world) == rank]
+        assert torch.equal(table.store.keys(), keys), name
+        assert torch.equal(rows_of(table.store)[1], full.get_rows(keys).view(torch.uint8)), name
+
+
 SCENARIOS = {
     "save-s3": save("s3"),
     "save-s2": save("s2"),
@@ -296,10 +322,11 @@ SCENARIOS = {
     "continue": continue_at_another_world,
     "damaged": damaged_chains_change_no_store,
     "refused": a_delta_needs_its_base_on_every_rank,
+    "version-1": a_version_1_chain_loads_across_ranks,
 }
 RUNS = [  # in order, after this process saved s1 at world 1
     (3, ["save-s3", "load-s1", "load-s3", "live"]),
-    (2, ["save-s2", "load-s1", "continue", "damaged", "refused"]),
+    (2, ["save-s2", "load-s1", "continue", "damaged", "refused", "version-1"]),
 ]
 
 
