@@ -111,12 +111,10 @@ def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int, changes
     return entry
 
 
-def _delta_base(
-    path: Path, base: object, tables: Mapping[str, BucketedTable], method: str
-) -> tuple[dict, str]:
-    """A delta's ``base`` entry and the base manifest's digest, once ``base`` is a version-2
+def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> dict:
+    """A delta's ``base`` entry (``{path, manifest_sha256}``), once ``base`` is a version-2
     checkpoint with ``tables``' names, layouts and bucketing, and every store's change mark
-    is at it; else a ``ValueError`` naming the table (this rank's view)."""
+    is at it; else a ``ValueError`` naming the table (as this rank sees it)."""
     try:
         version, manifest, digest = read_manifest_and_digest(base)
     except FileNotFoundError as exc:
@@ -150,7 +148,7 @@ def _delta_base(
                 f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
                 "save a full checkpoint first (base=None), then deltas against it"
             )
-    return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}, digest
+    return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
 
 
 def save_sharded(
@@ -180,9 +178,11 @@ def save_sharded(
     delta, problem = None, None
     if base is not None:
         try:
-            delta = _delta_base(path, Path(base), tables, method)[0]
+            delta = _delta_base(path, Path(base), tables)
         except ValueError as exc:
             problem = f"rank {rank}: {exc}"
+        except Exception as exc:  # (an unreadable base, say): every rank must reach the agreement
+            problem = f"rank {rank}: base {base}: {type(exc).__name__}: {exc}"
         failed = [p for p in from_every_rank(problem, process_group) if p is not None]
         if failed:  # every rank refuses, naming the first rank that found a problem
             raise ValueError(f"{method}: the delta cannot be saved: {failed[0]}")
