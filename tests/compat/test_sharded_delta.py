@@ -436,3 +436,11 @@ def test_a_version_1_base_is_refused(folder, tmp_path, group):
     with pytest.raises(ValueError, match="version 1.*save a full checkpoint with process_group first"):
         save_checkpoint(tmp_path / "d", module.checkpoint_tables(), process_group=group, base=one)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_version_2_chain_is_not_compacted(folder, tmp_path):
+    from leanstate import compact_checkpoint
+
+    with pytest.raises(CheckpointError, match="saved across ranks .*only version-1 chains are compacted"):
+        compact_checkpoint(folder / "s1" / HEAD, tmp_path / "full")
+    assert not (tmp_path / "full").exists()
