@@ -256,8 +256,9 @@ def k_live(table_keys, table_blocks, keys, blocks, count):
 
 
 @cuda.jit(cache=True)
-def k_remove(table_keys, table_blocks, words, keys, freed, removed):
-    """Tombstone each present key (distinct), zero its row and list its block as freed."""
+def k_remove(table_keys, table_blocks, words, keys, freed, gone, removed):
+    """Tombstone each present key (distinct), zero its row and list its block as freed and
+    the key as gone (at the same place)."""
     i = cuda.grid(1)
     if i >= keys.shape[0]:
         return
@@ -270,7 +271,9 @@ def k_remove(table_keys, table_blocks, words, keys, freed, removed):
             table_keys[s] = TOMBSTONE
             for c in range(words.shape[1]):
                 words[block, c] = 0
-            freed[cuda.atomic.add(removed, 0, 1)] = block
+            n = cuda.atomic.add(removed, 0, 1)
+            freed[n] = block
+            gone[n] = key
             return
         s = (s + 1) & mask
 
@@ -362,6 +365,14 @@ def k_write_rows(words, blocks, source, rows):
         u, c = t // width, t % width
         word = rows[source[u], c]
         words[blocks[u], c] = word | USED if c == 1 else word
+
+
+@cuda.jit(cache=True)
+def k_mark(stamps, blocks, epoch):
+    """Stamp ``epoch`` on every block >= 0 (change tracking: the blocks written)."""
+    u = cuda.grid(1)
+    if u < blocks.shape[0] and blocks[u] >= 0:
+        stamps[blocks[u]] = epoch
 
 
 @cuda.jit(cache=True)

@@ -6,6 +6,7 @@ element width for columns), so they never depend on the row dtype."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -20,6 +21,17 @@ USED = np.int64(-(2**63))  # bit 63 of the metadata word
 STAMP_BITS = np.int64(0xFFFFFFFF)
 COUNT_MAX64 = np.int64(COUNT_MAX)
 U64 = np.uint64
+_ELEMENT_VIEW = {4: torch.int32, 2: torch.int16}
+
+
+def as_elements(t: torch.Tensor) -> np.ndarray:
+    """A row tensor as a numpy array of same-width integers (bits, not values)."""
+    return t.view(_ELEMENT_VIEW[t.element_size()]).numpy()
+
+
+def as_words(t: torch.Tensor) -> np.ndarray:
+    """A contiguous [N, W] row tensor as int64 words [N, row_bytes / 8]."""
+    return t.view(torch.int64).numpy()
 
 
 # -- hashing -----------------------------------------------------------------------------
@@ -189,10 +201,11 @@ def insert_missing(table_keys, table_blocks, ids, blocks, free, free_top, handed
 
 
 @njit(nogil=True, cache=True)
-def adopt(table_keys, table_blocks, words, first, count, free, free_top):
+def adopt(table_keys, table_blocks, words, first, count, free, free_top, stamps, epoch):
     """Index the rows written in place at blocks ``[first, first + count)`` by their header
     keys, ``used`` set, in order; a key already present takes the row into its own block
-    (the later row wins) and the block it arrived in goes back zeroed to ``free``.
+    (the later row wins) and the block it arrived in goes back zeroed to ``free``. The
+    block each row ends in is stamped ``epoch`` (none when ``epoch`` is 0).
 
     Returns (keys added, dead slots reused, free_top), or (-1 - k, 0, free_top) when the
     key at position k is negative, before any key is placed."""
@@ -216,11 +229,14 @@ def adopt(table_keys, table_blocks, words, first, count, free, free_top):
             if place(table_keys, table_blocks, key, b):
                 reused += 1
             added += 1
+            found = b
         else:
             words[found, :] = words[b, :]
             words[b, :] = 0
             free[free_top] = b
             free_top += 1
+        if epoch:
+            stamps[found] = epoch
     return added, reused, free_top
 
 
@@ -338,8 +354,9 @@ def mark_last_writers(words, blocks, winner):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def write_columns(elems, words, blocks, winner, values, start, now):
-    """Copy each winner's values into its row, then stamp ``now`` and add its occurrences."""
+def write_columns(elems, words, blocks, winner, values, start, now, stamps, epoch):
+    """Copy each winner's values into its row, then stamp ``now`` and add its occurrences;
+    its block's epoch stamp becomes ``epoch`` (unless 0: tracking off)."""
     width = values.shape[1]
     for i in prange(blocks.shape[0]):
         if not winner[i]:
@@ -350,6 +367,8 @@ def write_columns(elems, words, blocks, winner, values, start, now):
         meta = words[b, 1]
         count = min(((meta >> 32) & COUNT_MAX64) + (meta & STAMP_BITS), COUNT_MAX64)
         words[b, 1] = np.int64(now) | (count << 32) | USED
+        if epoch:
+            stamps[b] = epoch
 
 
 @njit(nogil=True, cache=True)
@@ -362,17 +381,20 @@ def mark_last_rows(words, blocks, winner):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def write_rows(words, blocks, winner, rows):
+def write_rows(words, blocks, winner, rows, stamps, epoch):
     for i in prange(blocks.shape[0]):
         if winner[i]:
             b = blocks[i]
             words[b, :] = rows[i, :]
             words[b, 1] |= USED
+            if epoch:
+                stamps[b] = epoch
 
 
 @njit(nogil=True, cache=True)
-def remove(table_keys, table_blocks, words, ids, free, free_top):
-    """Tombstone present ids, zero and free their blocks. Returns (removed, free_top)."""
+def remove(table_keys, table_blocks, words, ids, free, free_top, gone):
+    """Tombstone present ids, zero and free their blocks, list them in ``gone`` (in the
+    order removed). Returns (removed, free_top)."""
     removed = 0
     mask = table_keys.shape[0] - 1
     for i in range(ids.shape[0]):
@@ -386,7 +408,35 @@ def remove(table_keys, table_blocks, words, ids, free, free_top):
                 words[block, :] = 0
                 free[free_top] = block
                 free_top += 1
+                gone[removed] = ids[i]
                 removed += 1
                 break
             s = (s + 1) & mask
     return removed, free_top
+
+
+# -- change tracking ---------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def stamp_blocks(stamps, blocks, epoch):
+    """Stamp ``epoch`` on every block >= 0 (the rows a caller located to write)."""
+    for i in range(blocks.shape[0]):
+        if blocks[i] >= 0:
+            stamps[blocks[i]] = epoch
+
+
+@njit(nogil=True, cache=True)
+def written_since(table_keys, table_blocks, stamps, mark):
+    """The live keys whose block is stamped after epoch ``mark``, in table order."""
+    count = 0
+    for s in range(table_keys.shape[0]):
+        if table_keys[s] >= 0 and stamps[table_blocks[s]] > mark:
+            count += 1
+    out = np.empty(count, dtype=np.int64)
+    n = 0
+    for s in range(table_keys.shape[0]):
+        if table_keys[s] >= 0 and stamps[table_blocks[s]] > mark:
+            out[n] = table_keys[s]
+            n += 1
+    return out

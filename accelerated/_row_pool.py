@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import torch
 
+from leanstate.accelerated._change_log import MappedArray
 from leanstate.accelerated._pages import populate
 from leanstate.reference.row_format import RowLayout
 
@@ -20,16 +22,24 @@ class RowPool:
     steps. On a GPU the tensor grows by an eighth, in whole 1024-row steps, copying: at
     most an eighth of the pool sits unused (the memory target is 1.1x the row bytes),
     and each row is copied about eight times at most as the pool grows.
+
+    ``stamps`` (int64, one per block and one more at the end, where ``mark`` sends the
+    negative blocks) holds the epoch of each block's last write, for change tracking; it
+    grows with the rows, in place on the CPU.
     """
 
     def __init__(self, layout: RowLayout, device: torch.device) -> None:
         self.layout, self.device = layout, device
         self._map = None
+        self._stamp_map = None
         if device.type == "cpu":
             self._map = mmap.mmap(-1, 1024 * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._view_map()
+            self._stamp_map = MappedArray(1024 + 1, np.int64)
+            self.stamps = torch.from_numpy(self._stamp_map.array)
         else:
             self.rows = torch.zeros(1024, layout.width, dtype=layout.dtype, device=device)
+            self.stamps = torch.zeros(1024 + 1, dtype=torch.int64, device=device)
         self.handed_out = 0  # blocks ever taken (free ones included)
         self.free = torch.empty(0, dtype=torch.int64, device=device)
 
@@ -38,8 +48,13 @@ class RowPool:
         self.rows = torch.frombuffer(self._map, dtype=self.layout.dtype).view(rows, self.layout.width)
 
     def nbytes(self) -> int:
-        """Bytes of the rows and the free list."""
-        return self.rows.numel() * self.rows.element_size() + self.free.numel() * 8
+        """Bytes of the rows, their epoch stamps and the free list."""
+        return self.rows.numel() * self.rows.element_size() + (self.stamps.numel() + self.free.numel()) * 8
+
+    def mark(self, blocks: torch.Tensor, epoch: int) -> None:
+        """Stamp ``epoch`` on each block >= 0 (a negative one lands on the spare last stamp)."""
+        spare = len(self.stamps) - 1
+        self.stamps.index_fill_(0, torch.where(blocks >= 0, blocks, spare), epoch)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more blocks now (on the CPU also faulted in, so the inserts that
@@ -56,17 +71,24 @@ class RowPool:
         """At least ``rows`` rows (existing rows kept; new ones zero)."""
         if rows <= len(self.rows):
             return
+        old = len(self.rows)
         if self._map is not None:
             size = -(-rows // 1024) * 1024
-            del self.rows  # no view of the map may outlive the resize
+            del self.rows, self.stamps  # no view of a map may outlive its resize
             self._map.resize(size * self.layout.row_bytes)
             self._view_map()
+            self._stamp_map.resize(size + 1)
+            self.stamps = torch.from_numpy(self._stamp_map.array)
+            self.stamps[old] = 0  # the old spare stamp is a block's now
             return
-        size = max(rows, len(self.rows) + len(self.rows) // 8)
+        size = max(rows, old + old // 8)
         size = -(-size // 1024) * 1024
         grown = torch.zeros(size, self.layout.width, dtype=self.layout.dtype, device=self.device)
-        grown[: len(self.rows)] = self.rows
+        grown[:old] = self.rows
         self.rows = grown
+        stamps = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
+        stamps[:old] = self.stamps[:old]
+        self.stamps = stamps
 
     def allocate(self, n: int) -> torch.Tensor:
         """``n`` blocks: freed ones first (the last freed first), then fresh ones."""

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from leanstate._host_reads import host_read
+from leanstate.accelerated._change_log import ChangeLog
 from leanstate.accelerated._numba_cuda_kv_kernels import (
     EMPTY,
     KINDS,
@@ -52,6 +53,7 @@ from leanstate.accelerated._numba_cuda_kv_kernels import (
     k_initial_rows,
     k_live,
     k_lookup,
+    k_mark,
     k_metadata,
     k_place,
     k_put,
@@ -116,6 +118,8 @@ class KVStoreEngine:
             np.float32(low),
         )
         self._initial = (layout.weight_offset, layout.dim, *self.initial_scalars, KINDS[layout.dtype])
+        self.tracking = True  # each block's epoch of last write in the pool's stamps; removals logged
+        self._log = ChangeLog()
 
     def __len__(self) -> int:
         return self._rows
@@ -123,7 +127,7 @@ class KVStoreEngine:
     def memory_bytes(self) -> int:
         """The pool, the free list and the table (keys, blocks), in bytes."""
         tables = (self._table_keys, self._table_blocks)
-        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables)
+        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables) + self._log.nbytes()
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in the pool and the table now."""
@@ -191,13 +195,21 @@ class KVStoreEngine:
 
     def locate(self, ids: torch.Tensor, *, insert: bool = False) -> torch.Tensor:
         """Block of each id, -1 missing, -2 negative; ``insert=True`` inserts the missing
-        (distinct, non-negative) ids with their initial rows, header ``(key, used)``.
+        (distinct, non-negative) ids with their initial rows, header ``(key, used)``, and
+        stamps every block located as written (change tracking).
 
         An insert waits for the device once (how many ids are new), however many there
         are; a lookup not at all."""
         found = self._lookup(ids)
         if not insert or not len(ids):
             return found
+        blocks = self._insert_missing(ids, found)
+        if self.tracking:
+            launch(k_mark, len(ids), self._pool.stamps, blocks, self._log.epoch)
+        return blocks
+
+    def _insert_missing(self, ids: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        """The blocks of ``ids`` after inserting those ``found`` missing (-1)."""
         missing = found == -1
         rank = torch.cumsum(missing, 0) - 1
         new = host_read(int, rank[-1]) + 1
@@ -284,10 +296,13 @@ class KVStoreEngine:
     def _remove(self, keys: torch.Tensor) -> int:
         """Delete distinct non-negative keys: zero and free their blocks; how many were present."""
         freed = torch.empty(len(keys), dtype=torch.int64, device=self.device)
+        gone = torch.empty(len(keys), dtype=torch.int64, device=self.device)
         removed = torch.zeros(1, dtype=torch.int64, device=self.device)
         launch(k_remove, len(keys), self._table_keys, self._table_blocks, self.rows.view(torch.int64), keys,
-               freed, removed)  # fmt: skip
+               freed, gone, removed)  # fmt: skip
         count = host_read(int, removed[0])
+        if self.tracking:
+            self._log.record(gone[:count].clone())
         # the threads listed the freed blocks in any order: sorted, reuse is the same every run
         self._pool.release(torch.sort(freed[:count]).values)
         self._tombstones += count
@@ -339,6 +354,28 @@ class KVStoreEngine:
             victims = host_read(torch.masked_select, keys, doomed)
             self._remove(victims)
             return victims
+
+    # -- change tracking (spec/kv_store.md) ---------------------------------------------
+
+    def new_epoch(self) -> int:
+        """End the current epoch; its number. Later changes belong to the next one."""
+        with self.lock:
+            return self._log.new_epoch()
+
+    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)`` after epoch ``mark``, ascending, on the CPU: present ids whose
+        block was stamped later, and absent ids removed later. One snapshot under the lock."""
+        with self.lock:
+            keys, blocks = self._sorted_live()
+            written = keys[self._pool.stamps[blocks] > mark]
+            removed = self._log.removed_since(mark, self.device)
+            removed = removed[self._lookup(removed) == -1]
+        return written.cpu(), removed.cpu()
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``."""
+        with self.lock:
+            self._log.forget(mark)
 
 
 def _host_splitmix64(seed: int) -> np.uint64:

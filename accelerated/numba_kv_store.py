@@ -43,10 +43,13 @@ import numpy as np
 import torch
 
 from leanstate.accelerated import _host_buffers
+from leanstate.accelerated._change_log import ChangeLog, MappedArray
 from leanstate.accelerated._numba_kv_kernels import (
     EMPTY,
     U64,
     adopt,
+    as_elements,
+    as_words,
     gather_metadata,
     init_fresh,
     initial_weights,
@@ -58,8 +61,10 @@ from leanstate.accelerated._numba_kv_kernels import (
     mark_last_writers,
     rebuild,
     remove,
+    stamp_blocks,
     write_columns,
     write_rows,
+    written_since,
     zero_rows,
 )
 from leanstate.accelerated._pages import populate
@@ -161,19 +166,6 @@ class _ReadersWriterLock:
                 self._cond.notify_all()
 
 
-_ELEMENT_VIEW = {4: torch.int32, 2: torch.int16}
-
-
-def as_elements(t: torch.Tensor) -> np.ndarray:
-    """A row tensor as a numpy array of same-width integers (bits, not values)."""
-    return t.view(_ELEMENT_VIEW[t.element_size()]).numpy()
-
-
-def as_words(t: torch.Tensor) -> np.ndarray:
-    """A contiguous [N, W] row tensor as int64 words [N, row_bytes / 8]."""
-    return t.view(torch.int64).numpy()
-
-
 class KVStoreEngine:
     """The numba store engine; see the module docstring and ``spec/backends.md``.
 
@@ -215,6 +207,10 @@ class KVStoreEngine:
         )
         self._prefault: threading.Thread | None = None
         self._faulted_to = 0  # pool bytes below this were handed out or faulted in ahead
+        # change tracking: each block's epoch of last write (int32: 4 bytes a row), removals
+        self.tracking = True
+        self._log = ChangeLog()
+        self._stamps = MappedArray(POOL_STEP_ROWS, np.int32)
         self._view_pool()
 
     def _view_pool(self) -> None:
@@ -230,7 +226,8 @@ class KVStoreEngine:
     def memory_bytes(self) -> int:
         """The mapped pool, the hash table and the free list."""
         with self.lock.reading():
-            return len(self._map) + self.table_keys.nbytes + self.table_blocks.nbytes + self.free.nbytes
+            tables = self.table_keys.nbytes + self.table_blocks.nbytes + self.free.nbytes
+            return len(self._map) + tables + self._stamps.nbytes() + self._log.nbytes()
 
     # -- capacity (under the write lock) -------------------------------------------
 
@@ -259,6 +256,7 @@ class KVStoreEngine:
             self._finish_prefault()  # no thread may touch the pages a resize can move
             del self.pool, self.words, self.elems  # no view may outlive a resize
             self._map.resize(rows * row_bytes)
+            self._stamps.resize(rows)
             self._view_pool()
             if headroom:
                 first = max(self._faulted_to, rows_needed * row_bytes)
@@ -313,8 +311,9 @@ class KVStoreEngine:
         The table was sized for them by :meth:`claim`; nothing here moves the pool."""
         self._free_room(count)
         added, reused, self.free_top = adopt(
-            self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top
-        )
+            self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top,
+            self._stamps.array, self._epoch(),
+        )  # fmt: skip
         if added < 0:
             bad = -1 - added
             raise ValueError(
@@ -387,6 +386,8 @@ class KVStoreEngine:
             return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()))
         blocks, fresh = self._locate_or_insert(ids)
         self._fill_initial(ids, blocks, fresh)
+        if self.tracking:  # the caller writes every row it locates so (the embedding updates)
+            stamp_blocks(self._stamps.array, blocks, self._log.epoch)
         return torch.from_numpy(blocks)
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -492,7 +493,10 @@ class KVStoreEngine:
                 self._fill_initial(ids, blocks, fresh)
             winner = np.empty(len(blocks), dtype=np.bool_)
             mark_last_writers(self.words, blocks, winner)
-            write_columns(self.elems, self.words, blocks, winner, as_elements(values), start, now)
+            write_columns(
+                self.elems, self.words, blocks, winner, as_elements(values), start, now,
+                self._stamps.array, self._epoch(),
+            )  # fmt: skip
 
     def write_rows(self, rows: torch.Tensor) -> None:
         words = as_words(rows)
@@ -501,7 +505,7 @@ class KVStoreEngine:
             blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
             mark_last_rows(self.words, blocks, winner)
-            write_rows(self.words, blocks, winner, words)
+            write_rows(self.words, blocks, winner, words, self._stamps.array, self._epoch())
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
@@ -509,12 +513,42 @@ class KVStoreEngine:
 
     def _delete(self, ids: np.ndarray) -> int:
         self._free_room(len(ids))
+        gone = np.empty(len(ids), dtype=np.int64)
         removed, self.free_top = remove(
-            self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top
+            self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top, gone
         )
         self.size -= removed
         self.dead += removed
+        if self.tracking:
+            self._log.record(torch.from_numpy(gone[:removed].copy()))
         return removed
+
+    # -- change tracking (spec/kv_store.md) -------------------------------------------
+
+    def _epoch(self) -> int:
+        """The epoch a write now stamps; 0 (no stamp) when tracking is off."""
+        return self._log.epoch if self.tracking else 0
+
+    def new_epoch(self) -> int:
+        """End the current epoch; its number. Later changes belong to the next one."""
+        with self.lock.writing():
+            if self._log.epoch >= np.iinfo(np.int32).max:
+                raise OverflowError("the numba store stamps epochs as int32: 2**31 - 1 epochs at most")
+            return self._log.new_epoch()
+
+    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)`` after epoch ``mark``, each ascending: present ids whose block
+        was stamped later, and absent ids removed later. One snapshot under the lock."""
+        with self.lock.reading():
+            written = np.sort(written_since(self.table_keys, self.table_blocks, self._stamps.array, mark))
+            removed = self._log.removed_since(mark, torch.device("cpu"))
+            absent = lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1
+        return torch.from_numpy(written), removed[torch.from_numpy(absent)]
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``."""
+        with self.lock.writing():
+            self._log.forget(mark)
 
     # -- eviction ------------------------------------------------------------------
 

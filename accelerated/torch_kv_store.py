@@ -25,6 +25,7 @@ import threading
 
 import torch
 
+from leanstate.accelerated._change_log import ChangeLog
 from leanstate.accelerated._row_pool import RowPool, last_occurrences
 from leanstate.reference.hashing import INIT_BITS, MASK64, SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
 from leanstate.reference.row_format import COUNT_MAX, RowLayout, header_words, pack_metadata, unpack_metadata
@@ -102,6 +103,8 @@ class KVStoreEngine:
         self._pool = RowPool(layout, self.device)
         self._rows = 0
         self._seeded = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64, device=self.device))
+        self.tracking = True  # each block's epoch of last write in the pool's stamps; removals logged
+        self._log = ChangeLog()
 
     def __len__(self) -> int:
         return self._rows
@@ -109,7 +112,7 @@ class KVStoreEngine:
     def memory_bytes(self) -> int:
         """The pool, the table and the free list, in bytes."""
         tables = (self._table_keys, self._table_blocks)
-        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables)
+        return self._pool.nbytes() + sum(t.numel() * t.element_size() for t in tables) + self._log.nbytes()
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in the pool and the table now."""
@@ -260,6 +263,8 @@ class KVStoreEngine:
             missing = torch.nonzero((blocks < 0) & (ids >= 0)).flatten()
             if len(missing):
                 blocks[missing] = self._insert(ids[missing])
+            if self.tracking:  # the caller writes every row it locates so (the embedding updates)
+                self._pool.mark(blocks, self._log.epoch)
         return blocks
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -346,6 +351,8 @@ class KVStoreEngine:
             rows[:, 0] = unique  # a row inserted without its initial row has no key yet
             stamp_words(rows, occurrences, now)
             header.index_copy_(0, blocks, rows)
+            if self.tracking:
+                self._pool.stamps.index_fill_(0, blocks, self._log.epoch)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
@@ -363,6 +370,8 @@ class KVStoreEngine:
             self.rows.index_copy_(0, blocks, chosen)
             flags = header_words(self.rows)[:, 1]  # set here: the caller's rows stay as they were
             flags.index_copy_(0, blocks, flags.index_select(0, blocks) | _USED)
+            if self.tracking:
+                self._pool.stamps.index_fill_(0, blocks, self._log.epoch)
 
     def _remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Delete distinct non-negative keys: zero and free their blocks; the keys removed."""
@@ -374,6 +383,8 @@ class KVStoreEngine:
         self._tombstones += len(slots)
         self._rows -= len(slots)
         self._pool.release(blocks)
+        if self.tracking:
+            self._log.record(keys[present])
         return keys[present]
 
     def delete(self, ids: torch.Tensor) -> int:
@@ -415,3 +426,26 @@ class KVStoreEngine:
             victims = keys[doomed]
             self._remove(victims)
             return victims
+
+    # -- change tracking (spec/kv_store.md) ---------------------------------------------
+
+    def new_epoch(self) -> int:
+        """End the current epoch; its number. Later changes belong to the next one."""
+        with self.lock:
+            return self._log.new_epoch()
+
+    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)`` after epoch ``mark``, ascending, on the CPU: present ids whose
+        block was stamped later, and absent ids removed later. One snapshot under the lock."""
+        with self.lock:
+            live = self._table_keys >= 0
+            keys, blocks = self._table_keys[live], self._table_blocks[live]
+            written = torch.sort(keys[self._pool.stamps.index_select(0, blocks) > mark]).values
+            removed = self._log.removed_since(mark, self.device)
+            removed = removed[self._lookup(removed) < 0]
+        return written.cpu(), removed.cpu()
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``."""
+        with self.lock:
+            self._log.forget(mark)

@@ -18,7 +18,7 @@ import torch
 from leanstate import _backends
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
-from leanstate.reference.kv_store import ReadsInPlace
+from leanstate.reference.kv_store import ChangeMark, ReadsInPlace
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
 MAX_SHARDS = 2**16
@@ -124,6 +124,7 @@ class KVStore:
         self._engine = module.KVStoreEngine(
             layout, num_shards=num_shards, init_range=self.init_range, seed=seed, device=device
         )
+        self._mark: ChangeMark | None = None
 
     @property
     def engine(self):
@@ -161,7 +162,8 @@ class KVStore:
         return (
             f"KVStore(dim={self.dim}, optimizer_state_dim={self.optimizer_state_dim}, "
             f"dtype={self.dtype}, num_shards={self.num_shards}, rows={len(self)}, "
-            f"width={self.layout.width}, backend={self.backend!r}, device={str(self.device)!r})"
+            f"width={self.layout.width}, backend={self.backend!r}, device={str(self.device)!r}, "
+            f"tracking={self.tracking})"
         )
 
     def __reduce__(self):
@@ -171,7 +173,9 @@ class KVStore:
         )
 
     def __deepcopy__(self, memo: dict) -> KVStore:
-        """An independent store with a copy of every row, headers included (the clock is shared)."""
+        """An independent store with a copy of every row, headers included (the clock is
+        shared). It tracks changes if this store does, from its own first epoch, with no
+        ``mark``: it equals no checkpoint yet."""
         clone = KVStore(
             self.dim,
             optimizer_state_dim=self.optimizer_state_dim,
@@ -184,12 +188,70 @@ class KVStore:
             backend=self.backend,
         )
         memo[id(self)] = clone
+        clone.track_changes(self.tracking)
         copy_rows(self, clone)
         return clone
 
     def memory_bytes(self) -> int:
         """Bytes the store holds: row pools plus the id maps and free lists."""
         return self._engine.memory_bytes()
+
+    # -- change tracking (spec/kv_store.md) -------------------------------------------
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the store records which ids are written and removed (on by default)."""
+        return self._engine.tracking
+
+    def track_changes(self, enabled: bool = True) -> None:
+        """Turn change tracking on or off. Changes made while it is off are not recorded,
+        so turning it either way clears :attr:`mark` (the next checkpoint is a full one);
+        a call that keeps the setting changes nothing."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"KVStore.track_changes: enabled must be a bool; got {enabled!r}")
+        if enabled != self.tracking:
+            self._engine.tracking = enabled
+            self.mark = None
+
+    def next_epoch(self) -> int:
+        """End the current epoch of changes and return its number (epochs count from 1);
+        what is written or removed afterwards belongs to the next one. A checkpoint calls
+        it when a save starts or a load ends, and remembers the number as :attr:`mark`."""
+        return self._engine.new_epoch()
+
+    def changes(self, since: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)``: the ids changed after epoch ``since``, two ascending 1-D
+        int64 CPU tensors. ``written``: ids present now whose last write (``set``,
+        ``set_rows``, an embedding update, a load) came in a later epoch; ``removed``: ids
+        absent now that were deleted or evicted in a later epoch. ``since=None``: this
+        store's mark (``mark.epoch``, or 0 without one: every change since the store was
+        made). Taken as one snapshot."""
+        if since is None:
+            since = 0 if self._mark is None else self._mark.epoch
+        elif not _is_int(since) or since < 0:
+            raise ValueError(f"KVStore.changes: since must be an int >= 0 or None; got {since!r}")
+        return self._engine.changes_since(min(int(since), 2**62))
+
+    @property
+    def mark(self) -> ChangeMark | None:
+        """The epoch at which this store last equalled a checkpoint, and that checkpoint's
+        manifest digest (None: it equals none, or changes since were not all recorded).
+        Setting it lets the store forget the removals of that epoch and earlier. While
+        tracking is off it stays None (nothing is recorded to build a delta from)."""
+        return self._mark
+
+    @mark.setter
+    def mark(self, mark: ChangeMark | None) -> None:
+        if mark is not None:
+            if not isinstance(mark, ChangeMark) or not _is_int(mark.epoch) or mark.epoch < 0:
+                raise TypeError(
+                    f"KVStore.mark must be a ChangeMark(epoch >= 0, checkpoint) or None; got {mark!r}"
+                )
+            if not self.tracking:
+                mark = None
+            else:
+                self._engine.forget(int(mark.epoch))
+        self._mark = mark
 
     # -- validation ----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -57,6 +57,9 @@ class _Shard:
     def __init__(self, width: int, dtype: torch.dtype, rows_per_chunk: int) -> None:
         self.lock = threading.Lock()
         self.index: dict[int, int] = {}
+        # change tracking: the epoch of each present id's last write, of each absent id's removal
+        self.written: dict[int, int] = {}
+        self.removed: dict[int, int] = {}
         self.chunks: list[torch.Tensor] = []
         self.free: list[int] = []
         self.handed_out = 0  # blocks ever taken from chunks (free ones included)
@@ -101,6 +104,14 @@ class _Shard:
         for chunk, positions, within in self._by_chunk(blocks):
             chunk[within] = rows[positions]
 
+    def wrote(self, keys: torch.Tensor, epoch: int | None) -> None:
+        """Record a write of each key in ``epoch`` (None: tracking is off, nothing recorded)."""
+        if epoch is None:
+            return
+        for key in keys.tolist():
+            self.written[key] = epoch
+            self.removed.pop(key, None)
+
     def insert(self, keys: torch.Tensor) -> torch.Tensor:
         """Give each distinct absent key a block (free list first, last in first out)."""
         blocks = []
@@ -109,19 +120,29 @@ class _Shard:
             blocks.append(self.index[key])
         return torch.tensor(blocks, dtype=torch.int64)
 
-    def remove(self, keys: torch.Tensor) -> int:
-        """Delete distinct keys: zero their blocks and free them. Returns how many were present."""
-        freed = [b for b in (self.index.pop(k, None) for k in keys.tolist()) if b is not None]
+    def remove(self, keys: torch.Tensor, epoch: int | None) -> int:
+        """Delete distinct keys: zero their blocks and free them, and record each present
+        key's removal in ``epoch`` (None: tracking is off). Returns how many were present."""
+        present = [k for k in keys.tolist() if k in self.index]
+        freed = [self.index.pop(k) for k in present]
         if freed:
             self.write(torch.tensor(freed), torch.zeros(len(freed), self.width, dtype=self.dtype))
             self.free.extend(freed)
+        if epoch is not None:
+            for key in present:
+                self.written.pop(key, None)
+                self.removed[key] = epoch
         return len(freed)
 
     def memory_bytes(self) -> int:
         chunk_bytes = sum(c.numel() * c.element_size() for c in self.chunks)
         # The map's own table plus one int object per key and per block number.
         objects = sum(sys.getsizeof(k) + sys.getsizeof(b) for k, b in self.index.items())
-        return chunk_bytes + sys.getsizeof(self.index) + objects + sys.getsizeof(self.free)
+        records = sum(  # the change records, counted as the map is
+            sys.getsizeof(d) + sum(sys.getsizeof(k) + sys.getsizeof(e) for k, e in d.items())
+            for d in (self.written, self.removed)
+        )
+        return chunk_bytes + sys.getsizeof(self.index) + objects + sys.getsizeof(self.free) + records
 
 
 def _last_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,6 +183,12 @@ class KVStoreEngine:
         self.init_range = init_range
         self.seed = seed
         self._shards = [_Shard(layout.width, layout.dtype, ROWS_PER_CHUNK) for _ in range(num_shards)]
+        self.tracking = True  # record every write and removal by epoch (spec/kv_store.md)
+        self._epoch = 1  # the current epoch: changes made now belong to it
+
+    def _stamp(self) -> int | None:
+        """The epoch a change made now is recorded in, None when tracking is off."""
+        return self._epoch if self.tracking else None
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._shards)
@@ -228,6 +255,8 @@ class KVStoreEngine:
                 rows = self.initial_rows(keys[missing])
                 header_words(rows)[:, 1] = _USED
                 shard.write(blocks[missing], rows)
+            if insert:  # the caller writes every row it locates so (the embedding updates)
+                shard.wrote(keys, self._stamp())
             index = self._shards.index(shard)
             handles[positions] = torch.where(blocks >= 0, blocks * self.num_shards + index, -1)
         return handles
@@ -322,6 +351,7 @@ class KVStoreEngine:
                 count = torch.clamp(count + occurrences[positions], max=COUNT_MAX)
                 header[:, 1] = pack_metadata(torch.full_like(count, now), count, torch.ones_like(present))
                 shard.write(blocks, rows)
+                shard.wrote(keys, self._stamp())
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: whole rows keyed by header bytes 0-7 (non-negative), ``used`` set.
@@ -337,13 +367,14 @@ class KVStoreEngine:
                 chosen = rows[last[positions]]  # a copy: the caller's rows stay as they were
                 header_words(chosen)[:, 1] |= _USED
                 shard.write(blocks, chosen)
+                shard.wrote(keys, self._stamp())
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones are ignored); returns the rows removed."""
         removed = 0
         for shard, _, keys in self._by_shard(torch.unique(ids)):
             with shard.lock:
-                removed += shard.remove(keys)
+                removed += shard.remove(keys, self._stamp())
         return removed
 
     # -- eviction ------------------------------------------------------------------
@@ -392,8 +423,51 @@ class KVStoreEngine:
                     doomed[ranked[:excess]] = True
             victims = keys[doomed]
             for shard, _, shard_keys in self._by_shard(victims):
-                shard.remove(shard_keys)
+                shard.remove(shard_keys, self._stamp())
         return victims
+
+    # -- change tracking -----------------------------------------------------------
+
+    def new_epoch(self) -> int:
+        """End the current epoch and return its number; later changes belong to the next one.
+
+        Taken with every shard's lock, so each call's changes to a shard fall in one epoch.
+        """
+        with self.writing():
+            ended = self._epoch
+            self._epoch += 1
+            return ended
+
+    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)`` since epoch ``mark`` (its changes excluded), ascending int64:
+        the ids present now whose last write came in a later epoch, and the ids absent now
+        that were removed (deleted or evicted) in a later epoch. One snapshot: every shard's
+        lock held."""
+        written, removed = [], []
+        with self.reading():
+            for shard in self._shards:
+                written += [k for k, e in shard.written.items() if e > mark and k in shard.index]
+                removed += [k for k, e in shard.removed.items() if e > mark and k not in shard.index]
+        return (
+            torch.tensor(sorted(written), dtype=torch.int64),
+            torch.tensor(sorted(removed), dtype=torch.int64),
+        )
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``: no one will ask for changes since an
+        earlier epoch again."""
+        with self.writing():
+            for shard in self._shards:
+                shard.removed = {k: e for k, e in shard.removed.items() if e > mark}
+
+
+class ChangeMark(NamedTuple):
+    """Where a store stood when it last equalled a checkpoint: the epoch that ended then
+    (``KVStore.next_epoch()``'s number) and that checkpoint. ``store.changes()`` is then
+    what a delta checkpoint on top of ``checkpoint`` must write."""
+
+    epoch: int
+    checkpoint: str  # the SHA-256 hex digest of the checkpoint's manifest
 
 
 @runtime_checkable
@@ -416,6 +490,12 @@ class SupportsRows(Protocol):
     def delete(self, ids: torch.Tensor) -> None: ...
     def keys(self) -> torch.Tensor: ...
     def reserve(self, rows: int) -> None: ...
+
+    # change tracking (spec/kv_store.md): what changed since the checkpoint the store equals
+    mark: ChangeMark | None
+
+    def changes(self, since: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def next_epoch(self) -> int: ...
 
 
 @runtime_checkable

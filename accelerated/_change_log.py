@@ -1,0 +1,88 @@
+"""What the accelerated store engines share for change tracking (``spec/kv_store.md``,
+"Change tracking"): the epoch counter and the log of removed ids, and a per-block array
+that grows in place beside a memory-mapped row pool. Each engine stamps its own blocks
+with the epoch of their last write (in its own kernels or tensor ops) and finds the
+written ids with its own table scan; what is common is here, so no engine imports another.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import torch
+
+
+class ChangeLog:
+    """The current epoch (from 1) and the ids removed in each epoch.
+
+    Removals are kept as chunks ``(ids, epoch)``; consecutive chunks of one epoch are
+    merged as a binary counter merges (a chunk absorbs the next when it is at most twice
+    its size), so many small deletes in one epoch cost ``O(n log n)`` and the ids of an
+    epoch are kept once each. ``forget`` drops whole epochs. Call every method with the
+    engine's write lock held (``since``: the read lock at least).
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 1
+        self.removals: list[tuple[torch.Tensor, int]] = []
+
+    def new_epoch(self) -> int:
+        """End the current epoch; its number."""
+        ended = self.epoch
+        self.epoch += 1
+        return ended
+
+    def record(self, ids: torch.Tensor) -> None:
+        """``ids`` (distinct, absent now) were removed in the current epoch."""
+        if not len(ids):
+            return
+        chunks = self.removals
+        chunks.append((ids, self.epoch))
+        while (
+            len(chunks) >= 2
+            and chunks[-2][1] == chunks[-1][1]
+            and len(chunks[-2][0]) <= 2 * len(chunks[-1][0])
+        ):
+            (older, epoch), (newer, _) = chunks[-2], chunks.pop()
+            chunks[-1] = (torch.unique(torch.cat([older, newer])), epoch)
+
+    def removed_since(self, mark: int, device: torch.device) -> torch.Tensor:
+        """Every id removed in an epoch after ``mark``, distinct and ascending (some may be
+        present again: the engine keeps the absent ones)."""
+        chosen = [ids for ids, epoch in self.removals if epoch > mark]
+        if not chosen:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        return torch.unique(torch.cat(chosen))
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``."""
+        self.removals = [(ids, epoch) for ids, epoch in self.removals if epoch > mark]
+
+    def nbytes(self) -> int:
+        return sum(ids.numel() * ids.element_size() for ids, _ in self.removals)
+
+
+class MappedArray:
+    """A 1-D numpy array in an anonymous memory map that grows in place (``mremap``: no
+    copy; new elements are zero and cost nothing until written), for per-block values
+    kept beside a pool that grows the same way. ``array`` is replaced by each ``resize``:
+    no other view of it may be alive then."""
+
+    def __init__(self, length: int, dtype: type) -> None:
+        self.dtype = np.dtype(dtype)
+        self._map = mmap.mmap(
+            -1, max(1, length) * self.dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        self.array = np.frombuffer(self._map, dtype=self.dtype)[:length]
+
+    def resize(self, length: int) -> None:
+        """At least ``length`` elements (existing ones kept)."""
+        if length <= len(self.array):
+            return
+        del self.array
+        self._map.resize(length * self.dtype.itemsize)
+        self.array = np.frombuffer(self._map, dtype=self.dtype)
+
+    def nbytes(self) -> int:
+        return len(self._map)
