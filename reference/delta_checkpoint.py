@@ -238,10 +238,11 @@ def read_chain(path: str | os.PathLike) -> list[Link]:
             raise CheckpointError(
                 f"{where}: the chain reaches no full checkpoint within {MAX_CHAIN_LINKS} links"
             )
-        path = delta.path / base["path"]
-        if os.path.realpath(path) in visited:
+        # resolved as the system resolves it (symlinks, then ".."), and named so in errors
+        path = Path(os.path.realpath(delta.path / base["path"]))
+        if str(path) in visited:
             raise CheckpointError(f"{where}: {path} is already a link of this chain (a cycle)")
-        visited.add(os.path.realpath(path))
+        visited.add(str(path))
         try:
             data, manifest = read_manifest(path, link_problem)
         except FileNotFoundError as exc:  # the head may be missing; a base named by a delta may not
