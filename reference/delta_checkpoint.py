@@ -113,15 +113,15 @@ def save_checkpoint(
     whole, views = split_tables(tables)
     extra_bytes = None if extra is None else serialise_extra(extra)
     base_bytes, base_manifest = read_manifest(base, link_problem)
-    digest = hashlib.sha256(base_bytes).hexdigest()
-    _check_base(path, base, whole, base_manifest, digest)
+    base_digest = hashlib.sha256(base_bytes).hexdigest()
+    _check_base(path, base, whole, base_manifest, base_digest)
     temporary = staging_directory(path)
     # each epoch ends before any row is read: a write during the save is in the next delta too
     epochs = {id(store): (store, store.next_epoch()) for store in whole.values()}
     manifest = {
         "format": DELTA_FORMAT,
         "version": FORMAT_VERSION,
-        "base": {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest},
+        "base": {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": base_digest},
         "tables": {},
         "views": views,
         "extra": None,
@@ -212,7 +212,7 @@ def load_checkpoint(
     for name, store in stores.items():
         _check_table_in_chain(links, name, store.layout)
     extras = [read_extra(link.path, link.manifest) for link in links]  # every link's is checked
-    merged = {name: merged_rows(links, name, id_range) for name in stores}  # pass 1: check, merge
+    merged = {name: _merged_rows(links, name, id_range) for name in stores}  # pass 1: check, merge
     was_empty = [len(store) == 0 for store in stores.values()]
     for name, store in stores.items():  # pass 2: apply, ascending
         ids = sorted(merged[name])
@@ -269,7 +269,7 @@ def _check_table_in_chain(links: list[Link], name: str, layout: RowLayout) -> No
         check_layout(link.path, name, link.manifest["tables"][name], layout)
 
 
-def merged_rows(links: list[Link], name: str, id_range: tuple[int, int] | None) -> dict[int, torch.Tensor]:
+def _merged_rows(links: list[Link], name: str, id_range: tuple[int, int] | None) -> dict[int, torch.Tensor]:
     """id -> row of table ``name`` in the chain (only ids in ``id_range`` when given): every
     chunk the range needs and every removed file read and checked, oldest link first, a
     newer link's row replacing an older one and a removal dropping it."""
@@ -330,7 +330,7 @@ def compact_checkpoint(
         _check_table_in_chain(links, name, layouts[name])
     for link in links:
         read_extra(link.path, link.manifest)
-    merged = {name: merged_rows(links, name, None) for name in head["tables"]}
+    merged = {name: _merged_rows(links, name, None) for name in head["tables"]}
     extra_bytes = None
     if head["extra"] is not None:  # copied as it is, not saved again: torch.save need not repeat its bytes
         with open_regular(src / EXTRA_FILE) as f:
@@ -383,7 +383,7 @@ def delta_manifest_problem(manifest: object) -> str | None:
         return f"format {manifest['format']!r} is neither {DELTA_FORMAT!r} nor {FORMAT_NAME!r}"
     if not _is_int(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
         return f"version must be the JSON integer {FORMAT_VERSION}; got {manifest['version']!r}"
-    problem = base_problem(manifest["base"])
+    problem = _base_problem(manifest["base"])
     if problem is not None:
         return problem
     # its tables, views and extra follow a full manifest's rules; "removed" is a key those ignore
@@ -391,13 +391,13 @@ def delta_manifest_problem(manifest: object) -> str | None:
     if problem is not None:
         return problem
     for name, table in manifest["tables"].items():
-        problem = removed_problem(name, table.get("removed"))
+        problem = _removed_problem(name, table.get("removed"))
         if problem is not None:
             return f"tables[{name!r}].removed: {problem}"
     return None
 
 
-def base_problem(base: object) -> str | None:
+def _base_problem(base: object) -> str | None:
     """D2, in the manifest: ``base`` is ``{path: a relative path, manifest_sha256: 64 lowercase hex}``."""
     if not isinstance(base, dict):
         return "base must be an object with path and manifest_sha256"
@@ -416,7 +416,7 @@ def base_problem(base: object) -> str | None:
     return None
 
 
-def removed_problem(name: str, removed: object) -> str | None:
+def _removed_problem(name: str, removed: object) -> str | None:
     """D5, in the manifest: the entry of table ``name``'s removed ids."""
     if not isinstance(removed, dict):
         return "must be an object"

@@ -246,6 +246,25 @@ def test_saves_and_loads_into_empty_stores_set_the_marks(tmp_path):
     assert fresh.mark.checkpoint == digest_of(tmp_path / "c1") and same(loaded(tmp_path / "c1")[0], fresh)
 
 
+def test_the_full_textbook_sets_the_marks_too(tmp_path):
+    s = filled()
+    full.save_checkpoint(tmp_path / "c0", {"t": s})
+    assert s.mark.checkpoint == digest_of(tmp_path / "c0")
+    fresh = store()
+    full.load_checkpoint(tmp_path / "c0", {"t": fresh})
+    assert fresh.mark.checkpoint == digest_of(tmp_path / "c0")
+    assert [len(ids) for ids in fresh.changes()] == [0, 0]  # the epoch is taken after the last row
+    full.load_checkpoint(tmp_path / "c0", {"t": fresh})  # it holds rows now: not the checkpoint
+    assert fresh.mark is None
+    ranged = store()
+    full.load_checkpoint(tmp_path / "c0", {"t": ranged}, id_range=(0, 2**63))
+    assert ranged.mark is None
+    (tmp_path / "c0" / "t.rows").write_bytes(b"")
+    with pytest.raises(CheckpointError):
+        full.load_checkpoint(tmp_path / "c0", {"t": s})
+    assert s.mark.checkpoint == digest_of(tmp_path / "c0")
+
+
 def test_a_store_loaded_twice_in_one_call_has_no_mark(tmp_path):
     s = filled()
     save_checkpoint(tmp_path / "c0", {"t": s, "u": s})
