@@ -371,7 +371,7 @@ def load_chain(
             target.view.ignored_writes += head.manifest["views"].get(target.name, {}).get("rows", 0)
 
     empty = load_all_or_nothing([target.store for target, _ in plan], verify, apply)
-    if empty:  # each store now is the head checkpoint (its share): deltas can follow it
+    if empty and id_range is None:  # each store now is the head checkpoint: deltas can follow it
         for target, _ in plan:
             target.store.mark = ChangeMark(target.store.next_epoch(), head.digest)
     return extra

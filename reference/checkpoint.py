@@ -281,13 +281,12 @@ def mark_loaded(
 ) -> None:
     """After a load: each store equals the checkpoint only if every store was empty, none
     was loaded twice and every id was loaded; then its mark names the checkpoint, taken
-    after the last row, else it is None (not the checkpoint: its next save must be full)."""
+    after the last row. Otherwise the marks stay: every row the load wrote is a tracked
+    change since each store's own mark."""
     whole = all(was_empty) and len({id(store) for store in stores}) == len(stores) and id_range is None
-    for store in stores:
-        if whole:
+    if whole:
+        for store in stores:
             store.mark = ChangeMark(store.next_epoch(), digest)
-        else:
-            store.mark = None
 
 
 def read_manifest(path: Path, rules: Callable[[object], str | None] | None = None) -> tuple[bytes, dict]:

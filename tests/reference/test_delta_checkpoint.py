@@ -254,8 +254,9 @@ def test_the_full_textbook_sets_the_marks_too(tmp_path):
     full.load_checkpoint(tmp_path / "c0", {"t": fresh})
     assert fresh.mark.checkpoint == digest_of(tmp_path / "c0")
     assert [len(ids) for ids in fresh.changes()] == [0, 0]  # the epoch is taken after the last row
-    full.load_checkpoint(tmp_path / "c0", {"t": fresh})  # it holds rows now: not the checkpoint
-    assert fresh.mark is None
+    full.load_checkpoint(tmp_path / "c0", {"t": fresh})  # it holds rows now: the mark stays
+    assert fresh.mark.checkpoint == digest_of(tmp_path / "c0")
+    assert torch.equal(fresh.changes()[0], fresh.keys())  # every row the load wrote is a change
     ranged = store()
     full.load_checkpoint(tmp_path / "c0", {"t": ranged}, id_range=(0, 2**63))
     assert ranged.mark is None
@@ -273,7 +274,19 @@ def test_a_store_loaded_twice_in_one_call_has_no_mark(tmp_path):
     assert twice.mark is None
 
 
-@pytest.mark.parametrize("case", ["never saved", "marked elsewhere", "loaded over rows"])
+def test_a_load_over_rows_keeps_the_mark_and_the_next_delta_holds_the_store(tmp_path):
+    s = filled()
+    save_checkpoint(tmp_path / "c0", {"t": s})
+    s.set(torch.tensor([1, 777]), torch.ones(2, 5))
+    other = filled(seed=9)
+    save_checkpoint(tmp_path / "other", {"t": other})
+    load_checkpoint(tmp_path / "other", {"t": s})  # a live load: upserts, tracked as writes
+    assert s.mark.checkpoint == digest_of(tmp_path / "c0")
+    save_checkpoint(tmp_path / "c1", {"t": s}, base=tmp_path / "c0")
+    assert same(loaded(tmp_path / "c1")[0], s)
+
+
+@pytest.mark.parametrize("case", ["never saved", "marked elsewhere"])
 def test_a_delta_is_refused_unless_the_store_is_marked_at_the_base(tmp_path, case):
     s = filled()
     save_checkpoint(tmp_path / "c0", {"t": s})
@@ -282,9 +295,6 @@ def test_a_delta_is_refused_unless_the_store_is_marked_at_the_base(tmp_path, cas
     elif case == "marked elsewhere":
         change(s, 1)  # else the other checkpoint's manifest, and so its digest, is c0's
         save_checkpoint(tmp_path / "other", {"t": s})
-    else:
-        s.set(torch.tensor([1]), torch.ones(1, 5))
-        load_checkpoint(tmp_path / "c0", {"t": s})
     with pytest.raises(ValueError, match=r"tables\['t'\].*full checkpoint first"):
         save_checkpoint(tmp_path / "c1", {"t": s}, base=tmp_path / "c0")
     assert not (tmp_path / "c1").exists()
