@@ -113,12 +113,13 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
                 "(leanstate.compact_checkpoint) and save deltas against the compacted checkpoint"
             )
         base = link.manifest["base"]
-        base_path = link.path / base["path"]
-        if os.path.realpath(base_path) in visited:
+        # as the system resolves it (symlinks, then ..): a delta opened through a link finds its base
+        base_path = Path(os.path.realpath(link.path / base["path"]))
+        if str(base_path) in visited:
             raise CheckpointError(
                 f"{link.file}: base.path {base['path']!r} leads back to a link of the chain from {path} (a cycle)"
             )
-        visited.add(os.path.realpath(base_path))
+        visited.add(str(base_path))
         try:
             version, manifest, digest = read_manifest_and_digest(base_path)
         except FileNotFoundError as exc:
@@ -395,16 +396,16 @@ def _reporter(progress: Progress, name: str, parts: list[_Part]):
     return lambda chunk, done: progress(name, done, total)
 
 
-def verify_chain(links: list[Link]) -> Iterator[tuple[Link, str, int]]:
-    """Check every table of every link, each through the merge with the links below it
-    (every chunk, every removed file, D4, D6), and each link's extra state; yield (link,
-    table, rows of that link) as each passes."""
+def verify_chain(links: list[Link]) -> Iterator[Link]:
+    """Check every table of every link (every chunk and removed file, each table in the
+    links below with one layout, D6) and each link's extra state; yield each link, head
+    first, once it passed."""
     for depth, link in enumerate(links):
-        for name, table in link.manifest["tables"].items():
+        for name in link.manifest["tables"]:
             for _ in merged(chain_parts(links[depth:], name, None)[-1:]):  # this link's own files
                 pass
-            yield link, name, table["rows"]
         read_extra(link.path, link.manifest)
+        yield link
 
 
 # -- compaction ---------------------------------------------------------------------------
