@@ -264,7 +264,10 @@ def _streams(parts: list[_Part], first_rank: int, slice_bytes: int) -> list[_Str
     streams = []
     for rank, part in enumerate(parts, start=first_rank):
         read = part.read
-        slices = read_chunks(part.link.path, read, slice_bytes, ahead=True)
+        # A thread and two buffers ahead only for a file of several slices (a full link):
+        # a delta's file is usually one slice, read as fast as the thread would start.
+        ahead = read.rows * read.row_bytes > 2 * slice_bytes
+        slices = read_chunks(part.link.path, read, slice_bytes, ahead=ahead)
         streams.append(_Stream(rank, f"{part.link.path / read.files[0].file}", slices, read.row_bytes))
         if part.removed is not None and part.removed["ids"]:
             removed = removed_slices(part.link.path, read.name, part.removed, slice_bytes)
@@ -272,10 +275,14 @@ def _streams(parts: list[_Part], first_rank: int, slice_bytes: int) -> list[_Str
     return streams
 
 
-def merged(parts: list[_Part], slice_bytes: int = SLICE_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def merged(
+    parts: list[_Part], slice_bytes: int = SLICE_BYTES, *, in_order: bool = True
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """The merge of one table's ``parts`` (oldest first), ascending, in windows: ``(rows,
-    removed)``, the rows (``uint8 [n, row_bytes]``, a new array) and the removed ids
-    where the newest link naming an id decides. Every slice is checked as it is read."""
+    removed)``, where the newest link naming an id decides. ``rows`` is a list of
+    ``uint8 [n, row_bytes]`` arrays of distinct ids, valid until the next window: one
+    ascending array (``in_order``), or each file's winning rows apart (no copy of a
+    slice whose rows all win: how a load applies them). Every slice is checked as read."""
     streams = _streams(parts, 0, slice_bytes)
     try:
         while True:
@@ -287,37 +294,59 @@ def merged(parts: list[_Part], slice_bytes: int = SLICE_BYTES) -> Iterator[tuple
                 return
             # No file can later hold an id at or below the smallest last id any holds now.
             bound = min(int(stream.ids[-1]) for stream in live)
-            yield _resolve([(stream, *stream.take(bound)) for stream in live])
+            yield _resolve([(stream, *stream.take(bound)) for stream in live], in_order)
     finally:
         for stream in streams:
             stream.close()
 
 
-def _resolve(parts: list[tuple[_Stream, np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray]:
-    """One window: for each id, the entry of the newest link wins."""
+def _resolve(
+    parts: list[tuple[_Stream, np.ndarray, np.ndarray | None]], in_order: bool
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """One window: for each id, the entry of the newest link wins. ``parts`` come in the
+    streams' order: oldest link first, a link's rows before its removed ids."""
     parts = [part for part in parts if len(part[1])]
     if len(parts) == 1:
         _, ids, rows = parts[0]
-        return (rows.copy(), _NO_IDS) if rows is not None else (_NO_ROWS, ids.copy())
+        return ([rows], _NO_IDS) if rows is not None else ([], ids)
+    sizes = [len(part[1]) for part in parts]
     ids = np.concatenate([part[1] for part in parts])
-    ranks = np.concatenate([np.full(len(part[1]), part[0].rank) for part in parts])
-    is_row = np.concatenate([np.full(len(part[1]), part[2] is not None) for part in parts])
-    order = np.lexsort((ranks, ids))
-    sorted_ids, sorted_ranks = ids[order], ranks[order]
+    source = np.repeat(np.arange(len(parts)), sizes)  # the part of each entry
+    # Stable: equal ids keep the parts' order, so the last of each run is the newest link's.
+    # (The parts are sorted runs: the sort merges them.)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
     same = sorted_ids[1:] == sorted_ids[:-1]
-    clash = same & (sorted_ranks[1:] == sorted_ranks[:-1])
-    if clash.any():
-        at = int(np.argmax(clash))
-        where = next(part[0].where for part in parts if part[0].rank == sorted_ranks[at] and part[2] is None)
-        raise CheckpointError(
-            f"{where}: id {int(sorted_ids[at])} is removed and also a row of the same delta"
-        )
-    winners = order[np.append(~same, True)]  # the last of each id: the newest link
-    row_of = np.cumsum(is_row) - 1
-    row_parts = [part[2] for part in parts if part[2] is not None]
-    rows = np.concatenate(row_parts) if row_parts else _NO_ROWS
-    won = winners[is_row[winners]]
-    return rows[row_of[won]], ids[winners[~is_row[winners]]]
+    if same.any():
+        ranks = np.array([part[0].rank for part in parts])[source[order]]
+        clash = same & (ranks[1:] == ranks[:-1])
+        if clash.any():
+            at = int(np.argmax(clash))
+            where = next(part[0].where for part in parts if part[0].rank == ranks[at] and part[2] is None)
+            raise CheckpointError(
+                f"{where}: id {int(sorted_ids[at])} is removed and also a row of the same delta"
+            )
+    winners = order[np.append(~same, True)]
+    is_row = np.array([part[2] is not None for part in parts])[source[winners]]
+    won = winners[is_row]  # entries whose row is applied, ascending by id
+    removed = ids[winners[~is_row]]
+    first = np.cumsum([0, *sizes])
+    row_parts = [(k, part[2]) for k, part in enumerate(parts) if part[2] is not None]
+    if not row_parts:
+        return [], removed
+    won_part = source[won]
+    if not in_order:
+        pieces = []
+        for k, part_rows in row_parts:
+            chosen = won[won_part == k] - first[k]
+            if len(chosen):
+                pieces.append(part_rows if len(chosen) == len(part_rows) else part_rows[chosen])
+        return pieces, removed
+    rows = np.empty((len(won), row_parts[0][1].shape[1]), dtype=np.uint8)
+    for k, part_rows in row_parts:  # one copy of each winning row, straight from its slice
+        chosen = won_part == k
+        rows[chosen] = part_rows[won[chosen] - first[k]]
+    return [rows], removed
 
 
 # -- load ---------------------------------------------------------------------------------
@@ -380,9 +409,9 @@ def load_chain(
 
 def _apply_merge(target: Target, parts: list[_Part], keep, delete: bool, slice_bytes: int) -> None:
     store, layout = target.store, target.store.layout
-    for rows, removed in merged(parts, slice_bytes):
-        if len(rows):
-            rows = torch.from_numpy(rows).view(layout.dtype).view(-1, layout.width)
+    for pieces, removed in merged(parts, slice_bytes, in_order=False):
+        for piece in pieces:  # distinct ids: the order they are applied in does not matter
+            rows = torch.from_numpy(piece).view(layout.dtype).view(-1, layout.width)
             if keep is not None:
                 rows = rows[keep(rows.view(torch.int64)[:, 0])]
             store.set_rows(rows)
@@ -450,7 +479,8 @@ def _write_merge(file: Path, layout: RowLayout, parts: list[_Part], chunk_bytes:
     sink = ChunkFile(file, pipelined=True)
     filled, turn = 0, 0
     try:
-        for rows, _ in merged(parts):
+        for pieces, _ in merged(parts):
+            rows = pieces[0] if pieces else _NO_ROWS
             at = 0
             while at < len(rows):
                 take = min(per_chunk - filled, len(rows) - at)
