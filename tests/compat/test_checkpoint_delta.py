@@ -511,3 +511,41 @@ def test_the_textbook_refuses_every_damaged_chain_with_the_same_error_class(chai
     with pytest.raises(CheckpointError):
         compact_checkpoint(folder / "d2", folder / "compacted")
     assert not (folder / "compacted").exists()
+
+
+CHAIN_MEMORY_PROBE = """
+import json, sys, torch
+from leanstate.kv_store import KVStore
+from leanstate.checkpoint import load_checkpoint
+
+path, rows, dim, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+store = KVStore(dim, optimizer_state_dim=1)  # live: it holds the rows, so only the load's memory shows
+for start in range(0, rows, 50_000):
+    store.set(torch.arange(start, min(rows, start + 50_000)), torch.zeros(min(50_000, rows - start), dim))
+base = reset_peak()
+load_checkpoint(path, {"t": store}, chunk_bytes=chunk)
+print(json.dumps({"extra": peak_since(base), "rows": len(store)}))
+"""
+
+
+def test_a_chain_loads_in_bounded_memory(tmp_path):
+    """The issue's bound: at most 64 MiB and two slices per file beyond the store, whatever
+    the table's size (here a quarter of the table is far more than that)."""
+    from tests.harness import run_probe
+
+    rows, dim, links, chunk = 400_000, 128, 10, 2 * 2**20
+    store = KVStore(dim, optimizer_state_dim=1)
+    generator = torch.Generator().manual_seed(0)
+    for start in range(0, rows, 50_000):
+        store.set(torch.arange(start, start + 50_000), torch.randn(50_000, dim, generator=generator))
+    save_checkpoint(tmp_path / "c0", {"t": store})
+    for k in range(1, links + 1):
+        touched = torch.randint(0, rows, (rows // 100,), generator=generator)
+        store.set(touched, torch.randn(len(touched), dim, generator=generator))
+        store.delete(torch.randint(0, rows, (rows // 2000,), generator=generator))
+        save_checkpoint(tmp_path / f"c{k}", {"t": store}, base=tmp_path / f"c{k - 1}")
+    result = run_probe(CHAIN_MEMORY_PROBE, tmp_path / f"c{links}", rows, dim, chunk)
+    files = 1 + 2 * links
+    assert result["rows"] == rows  # the live store's rows: upserted, none removed
+    assert result["extra"] <= 64 * 2**20 + 2 * chunk * files, result
+    assert result["extra"] < rows * store.layout.row_bytes / 4, result
