@@ -70,6 +70,7 @@ from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
 
 MAX_LINKS = 1000
+_NO_ROWS = np.empty((0, 0), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,13 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
                 "(leanstate.compact_checkpoint) and save deltas against the compacted checkpoint"
             )
         base = link.manifest["base"]
-        base_path = link.path / base["path"]
-        if os.path.realpath(base_path) in visited:
+        # as the system resolves it (symlinks, then ..): a delta opened through a link finds its base
+        base_path = Path(os.path.realpath(link.path / base["path"]))
+        if str(base_path) in visited:
             raise CheckpointError(
                 f"{link.file}: base.path {base['path']!r} leads back to a link of the chain from {path} (a cycle)"
             )
-        visited.add(os.path.realpath(base_path))
+        visited.add(str(base_path))
         try:
             version, manifest, digest = read_manifest_and_digest(base_path)
         except FileNotFoundError as exc:
@@ -138,8 +140,8 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
 
 
 def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_range=None) -> list[LinkTable]:
-    """One table's parts of a version-1 chain, oldest link first; the table must be in every
-    link with one layout (D4)."""
+    """One table's parts, oldest link first (of a version-2 chain: every rank's files, every
+    chunk); the table must be in every link with one layout (D4)."""
     parts, layout = [], None if store is None else store.layout
     for link in reversed(links):
         table = link.manifest["tables"].get(name)
@@ -156,9 +158,14 @@ def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_ran
         elif store is None and saved != layout:
             raise CheckpointError(f"table {name!r} in {link.file} was saved as {saved}; its base as {layout}")
         if store is not None:
-            check_layout(link.path / table["file"], name, table, store)
-        read = TableRead.of_v1(name, table, chunks_in_range(table, id_range))
-        parts.append(LinkTable(link.path, read, (table["removed"],) if link.delta else ()))
+            check_layout(link.path / table.get("file", MANIFEST), name, table, store)
+        if link.version == 2:
+            read = TableRead.of_saved(name, table)
+            removed = tuple(f["removed"] for f in table["files"]) if link.delta else ()
+        else:
+            read = TableRead.of_v1(name, table, chunks_in_range(table, id_range))
+            removed = (table["removed"],) if link.delta else ()
+        parts.append(LinkTable(link.path, read, removed))
     return parts
 
 
@@ -220,16 +227,18 @@ def load_chain(
             target.view.ignored_writes += head.manifest["views"].get(target.name, {}).get("rows", 0)
 
     empty = load_all_or_nothing([target.store for target, _ in plan], verify, apply)
-    mark_loaded([target.store for target, _ in plan], head.digest if empty else None)
+    if empty and id_range is None:  # each store now is the head checkpoint: deltas can follow it
+        mark_loaded([target.store for target, _ in plan], head.digest)
     return extra
 
 
-def mark_loaded(stores: list[SupportsRows], digest: str | None) -> None:
-    """After a load: each store (all empty before) now is the checkpoint of ``digest`` (its
-    share), so deltas can follow it; ``None``: the stores held rows, they equal no
-    checkpoint, and their next save must be full."""
+def mark_loaded(stores: list[SupportsRows], digest: str) -> None:
+    """After a load into stores that were all empty (none named twice): each now is the
+    checkpoint of ``digest`` (its share of it, across ranks), so deltas can follow it. Any
+    other load leaves the marks where they were: every row it wrote is a tracked change
+    since the store's own mark."""
     for store in stores:
-        store.mark = None if digest is None else ChangeMark(store.next_epoch(), digest)
+        store.mark = ChangeMark(store.next_epoch(), digest)
 
 
 def _reporter(progress: Progress, name: str, parts: list[LinkTable]):
@@ -237,16 +246,16 @@ def _reporter(progress: Progress, name: str, parts: list[LinkTable]):
     return lambda chunk, done: progress(name, done, total)
 
 
-def verify_chain(links: list[Link]) -> Iterator[tuple[Link, str, int]]:
-    """Check every table of every link, each through the merge with the links below it
-    (every chunk, every removed file, D4, D6), and each link's extra state; yield (link,
-    table, rows of that link) as each passes."""
+def verify_chain(links: list[Link]) -> Iterator[Link]:
+    """Check every table of every link (every chunk and removed file, each table in the
+    links below with one layout, D6) and each link's extra state; yield each link, head
+    first, once it passed."""
     for depth, link in enumerate(links):
-        for name, table in link.manifest["tables"].items():
+        for name in link.manifest["tables"]:
             for _ in merged(chain_parts(links[depth:], name, None)[-1:]):  # this link's own files
                 pass
-            yield link, name, table["rows"]
         read_extra(link.path, link.manifest)
+        yield link
 
 
 # -- compaction ---------------------------------------------------------------------------
@@ -296,7 +305,8 @@ def _write_merge(file: Path, layout: RowLayout, parts: list[LinkTable], chunk_by
     sink = ChunkFile(file, pipelined=True)
     filled, turn = 0, 0
     try:
-        for rows, _ in merged(parts):
+        for pieces, _ in merged(parts):
+            rows = pieces[0] if pieces else _NO_ROWS
             at = 0
             while at < len(rows):
                 take = min(per_chunk - filled, len(rows) - at)

@@ -35,7 +35,7 @@ from leanstate._checkpoint_format import CHECKSUMS, chunk_entry, new_chunk_check
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
-from leanstate.reference.sharding import bucket_of
+from leanstate.reference.sharding import bucket_of, owner_of_bucket
 
 if TYPE_CHECKING:
     import numpy
@@ -226,6 +226,34 @@ class TableRead:
         """A version-1 table: its one file."""
         return cls(
             name, table["row_bytes"], table["checksum"], [FileChunks(table["file"], table["bytes"], chunks)]
+        )
+
+    @classmethod
+    def of_saved(cls, name: str, table: dict, rank: int = 0, world: int = 1) -> TableRead:
+        """The chunks rank ``rank`` of ``world`` reads of a saved table (checked against its
+        schema): a version-2 table's chunks of the buckets it owns in each rank's file
+        (another rank's are not even read), or every chunk of a version-1 table's file."""
+        files = table.get("files") or [
+            {"file": table["file"], "bytes": table["bytes"], "chunks": table["chunks"]}
+        ]
+        bucketing = table.get("bucketing")
+        buckets = None if bucketing is None else bucketing["buckets"]
+
+        def mine(chunk: dict) -> bool:
+            if "bucket" not in chunk:
+                return True
+            return owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=buckets) == rank
+
+        parts = [
+            FileChunks(f["file"], f["bytes"], [(i, c) for i, c in enumerate(f["chunks"]) if mine(c)])
+            for f in files
+        ]
+        return cls(
+            name,
+            table["row_bytes"],
+            table.get("checksum", "crc32"),
+            parts,
+            None if bucketing is None else (bucketing["buckets"], bucketing["bucket_size"]),
         )
 
     @property

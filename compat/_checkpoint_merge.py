@@ -188,13 +188,17 @@ class _Stream:
 
 
 def _streams(parts: list[LinkTable], slice_bytes: int) -> list[_Stream]:
-    """A stream per file of every part: each rows file (its chosen chunks), each removed file."""
+    """A stream per file of every part (oldest link first; a link's rows files before its
+    removed files): each rows file (its chosen chunks), each removed file."""
     streams = []
     for rank, part in enumerate(parts):
         read = part.read
         for file in read.files:
             one = dataclasses.replace(read, files=[file])
-            slices = read_chunks(part.path, one, slice_bytes, ahead=True)
+            # A thread and two buffers ahead only for a file of several slices (a full link):
+            # a delta's file is usually one slice, read as fast as the thread would start.
+            ahead = one.rows * read.row_bytes > 2 * slice_bytes
+            slices = read_chunks(part.path, one, slice_bytes, ahead=ahead)
             streams.append(_Stream(rank, str(part.path / file.file), slices, read.row_bytes, read.bucketing))
         for removed in part.removed:
             if removed["ids"]:
@@ -204,10 +208,14 @@ def _streams(parts: list[LinkTable], slice_bytes: int) -> list[_Stream]:
     return streams
 
 
-def merged(parts: list[LinkTable], slice_bytes: int = SLICE_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def merged(
+    parts: list[LinkTable], slice_bytes: int = SLICE_BYTES, *, in_order: bool = True
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """The merge of one table's ``parts`` (oldest link first), in saving order, in windows:
-    ``(rows, removed)``, the rows (``uint8 [n, row_bytes]``, a new array) and the removed
-    ids where the newest link naming an id decides. Every slice is checked as it is read."""
+    ``(rows, removed)``, where the newest link naming an id decides. ``rows`` is a list
+    of ``uint8 [n, row_bytes]`` arrays of distinct ids, valid until the next window: one
+    array in saving order (``in_order``), or each file's winning rows apart (no copy of
+    a slice whose rows all win: how a load applies them). Every slice is checked as read."""
     streams = _streams(parts, slice_bytes)
     try:
         while True:
@@ -219,43 +227,66 @@ def merged(parts: list[LinkTable], slice_bytes: int = SLICE_BYTES) -> Iterator[t
                 return
             # No file can later hold a key at or below the smallest last key any holds now.
             bound = min(stream.last() for stream in live)
-            yield _resolve([(stream, *stream.take(bound)) for stream in live])
+            yield _resolve([(stream, *stream.take(bound)) for stream in live], in_order)
     finally:
         for stream in streams:
             stream.close()
 
 
-def _resolve(parts: list[tuple[_Stream, np.ndarray, np.ndarray | None, np.ndarray | None]]):
+def _resolve(
+    parts: list[tuple[_Stream, np.ndarray, np.ndarray | None, np.ndarray | None]], in_order: bool
+) -> tuple[list[np.ndarray], np.ndarray]:
     """One window: for each id, the entry of the newest link wins (of two rows files of one
-    link, the later file's, as a full load applies them); ``(rows, removed ids)``."""
+    link, the later file's, as a full load applies them). ``parts`` come in the streams'
+    order: oldest link first, a link's rows before its removed ids."""
     parts = [part for part in parts if len(part[1])]
     if len(parts) == 1:
         _, ids, _, rows = parts[0]
-        return (rows.copy(), _NO_IDS) if rows is not None else (_NO_ROWS, ids.copy())
+        return ([rows], _NO_IDS) if rows is not None else ([], ids)
+    sizes = [len(part[1]) for part in parts]
     ids = np.concatenate([part[1] for part in parts])
-    source = np.concatenate([np.full(len(part[1]), i) for i, part in enumerate(parts)])
-    ranks = np.array([part[0].rank for part in parts])[source]
-    is_row = np.array([part[3] is not None for part in parts])[source]
+    source = np.repeat(np.arange(len(parts)), sizes)  # the part of each entry
+    # Stable: equal ids keep the parts' order, so the last of each run is the newest link's.
+    # Bucket-major parts sort by (bucket, id): an id has one bucket, so equal ids stay together.
     if parts[0][2] is None:
-        order = np.lexsort((ranks, ids))
-    else:  # an id has one bucket: equal ids stay together, sorted by (bucket, id)
-        order = np.lexsort((ranks, ids, np.concatenate([part[2] for part in parts])))
-    sorted_ids, sorted_ranks, sorted_rows = ids[order], ranks[order], is_row[order]
+        order = np.argsort(ids, kind="stable")
+    else:
+        order = np.lexsort((ids, np.concatenate([part[2] for part in parts])))
+    sorted_ids = ids[order]
     same = sorted_ids[1:] == sorted_ids[:-1]
-    clash = same & (sorted_ranks[1:] == sorted_ranks[:-1]) & (sorted_rows[1:] != sorted_rows[:-1])
-    if clash.any():
-        at = int(np.argmax(clash))
-        removal = order[at] if not sorted_rows[at] else order[at + 1]
-        raise CheckpointError(
-            f"{parts[source[removal]][0].where}: id {int(sorted_ids[at])} is removed and also a row of "
-            "the same delta"
-        )
-    winners = order[np.append(~same, True)]  # the last of each id: the newest link
-    row_of = np.cumsum(is_row) - 1
-    row_parts = [part[3] for part in parts if part[3] is not None]
-    rows = np.concatenate(row_parts) if row_parts else _NO_ROWS
-    won = winners[is_row[winners]]
-    return rows[row_of[won]], ids[winners[~is_row[winners]]]
+    has_rows = np.array([part[3] is not None for part in parts])
+    if same.any():
+        ranks = np.array([part[0].rank for part in parts])[source[order]]
+        rows_at = has_rows[source[order]]
+        clash = same & (ranks[1:] == ranks[:-1]) & (rows_at[1:] != rows_at[:-1])
+        if clash.any():
+            at = int(np.argmax(clash))
+            removal = order[at] if not rows_at[at] else order[at + 1]
+            raise CheckpointError(
+                f"{parts[source[removal]][0].where}: id {int(sorted_ids[at])} is removed and also a row "
+                "of the same delta"
+            )
+    winners = order[np.append(~same, True)]
+    is_row = has_rows[source[winners]]
+    won = winners[is_row]  # entries whose row is applied, in saving order
+    removed = ids[winners[~is_row]]
+    first = np.cumsum([0, *sizes])
+    row_parts = [(k, part[3]) for k, part in enumerate(parts) if part[3] is not None]
+    if not row_parts:
+        return [], removed
+    won_part = source[won]
+    if not in_order:
+        pieces = []
+        for k, part_rows in row_parts:
+            chosen = won[won_part == k] - first[k]
+            if len(chosen):
+                pieces.append(part_rows if len(chosen) == len(part_rows) else part_rows[chosen])
+        return pieces, removed
+    rows = np.empty((len(won), row_parts[0][1].shape[1]), dtype=np.uint8)
+    for k, part_rows in row_parts:  # one copy of each winning row, straight from its slice
+        chosen = won_part == k
+        rows[chosen] = part_rows[won[chosen] - first[k]]
+    return [rows], removed
 
 
 def apply_merge(
@@ -269,9 +300,9 @@ def apply_merge(
     """Upsert the merge of ``parts`` into ``store`` (``keep(ids)``: the rows and removals
     this load applies); with ``delete``, delete the winning removals too. Rows applied."""
     layout, applied = store.layout, 0
-    for rows, removed in merged(parts, slice_bytes):
-        if len(rows):
-            rows = torch.from_numpy(rows).view(layout.dtype).view(-1, layout.width)
+    for pieces, removed in merged(parts, slice_bytes, in_order=False):
+        for piece in pieces:  # distinct ids: the order they are applied in does not matter
+            rows = torch.from_numpy(piece).view(layout.dtype).view(-1, layout.width)
             if keep is not None:
                 rows = rows[keep(header_words(rows)[:, 0])]
             store.set_rows(rows)

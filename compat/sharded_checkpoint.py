@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from leanstate import _checkpoint_files as files
 from leanstate._checkpoint_chunks import (
-    FileChunks,
     TableRead,
     bucket_major,
     buckets_of,
@@ -278,39 +277,6 @@ def _commit(
 # -- load ---------------------------------------------------------------------------------
 
 
-def _files_of(table: dict) -> list[dict]:
-    """A table's files, each with its chunks: version 2's list, or version 1's one file."""
-    if "files" in table:
-        return table["files"]
-    return [{"file": table["file"], "bytes": table["bytes"], "chunks": table["chunks"]}]
-
-
-def _table_read(name: str, saved: dict, buckets: int, rank: int, world: int) -> TableRead:
-    """The chunks of a saved table this rank reads: version 2's chunks of the buckets it
-    owns (another rank's are not even read), or every chunk of a version-1 file."""
-    parts = [
-        FileChunks(
-            f["file"],
-            f["bytes"],
-            [
-                (i, chunk)
-                for i, chunk in enumerate(f["chunks"])
-                if "bucket" not in chunk
-                or owner_of_bucket(chunk["bucket"], world_size=world, total_num_buckets=buckets) == rank
-            ],
-        )
-        for f in _files_of(saved)
-    ]
-    bucketing = saved.get("bucketing")
-    return TableRead(
-        name,
-        saved["row_bytes"],
-        saved.get("checksum", "crc32"),
-        parts,
-        None if bucketing is None else (bucketing["buckets"], bucketing["bucket_size"]),
-    )
-
-
 def load_sharded(
     path: str | os.PathLike,
     tables: Mapping[str, BucketedTable],
@@ -329,8 +295,8 @@ def load_sharded(
     Returns the extra state; the statistics of the load are in :data:`last_load_stats`
     (this rank's bytes and chunks read). If any rank fails, every rank raises and rows
     loaded into empty stores are removed. After a load into stores empty on every rank,
-    each store's change mark is at the loaded checkpoint; after one into live stores, at
-    none (their next save is a full one).
+    each store's change mark is at the loaded checkpoint; any other load leaves the marks
+    where they were (every row it wrote is a change tracked since them).
     """
     method = "load_checkpoint"
     _check_tables(tables, method)
@@ -410,7 +376,8 @@ def load_sharded(
         )
     finally:
         _record(stats)  # also when the load fails: what this rank read before it did
-    _chain().mark_loaded(stores, links[0].digest if empty else None)
+    if empty:  # each rank's stores now are its share of the head: deltas can follow it
+        _chain().mark_loaded(stores, links[0].digest)
     return extra
 
 
@@ -429,7 +396,7 @@ def _link_table(link, name: str, table: BucketedTable, rank: int, world: int):
     (every chunk of version 1), and a delta's removed-id files that may hold ids of its
     buckets (a file is bucket-major: its buckets run from its first id's to its last's)."""
     saved = link.manifest["tables"][name]
-    read = _table_read(name, saved, table.buckets, rank, world)
+    read = TableRead.of_saved(name, saved, rank, world)
     if not link.delta:
         return _merge().LinkTable(link.path, read)
     if link.version == 1:
@@ -500,7 +467,7 @@ def verify_sharded(path: str | os.PathLike):
     path = Path(path)
     _, manifest = read_manifest(path)
     for name, saved in manifest["tables"].items():
-        read = _table_read(name, saved, saved["bucketing"]["buckets"], 0, 1)  # one rank: every chunk
+        read = TableRead.of_saved(name, saved)  # one rank: every chunk
         for part in read.files:
             one_file = dataclasses.replace(read, files=[part])
             for i, _, buffer in read_chunks(path, one_file, SLICE_BYTES):

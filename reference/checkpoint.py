@@ -16,10 +16,12 @@ Saving writes every file into a temporary sibling directory, fsyncs it, writes t
 manifest last and renames the directory into place. Loading checks the whole manifest
 against every rule of the format (``manifest_problem``), opens only regular files of
 the expected size, checks every chunk (CRC, ids ascending, the manifest's id range),
-and only then applies the rows with ``store.set_rows``. This is the textbook: it leaves
-out speed and crash-safety (threads, locks, signals, pipelining), never a check; the
-hardened ``leanstate.save_checkpoint`` / ``load_checkpoint`` are held to it by
-differential tests (identical bytes, loads and error classes). See
+and only then applies the rows with ``store.set_rows``. A save, and a load into empty
+stores, sets each store's change mark (``store.mark``) to the checkpoint's manifest
+digest, which a delta (``reference.delta_checkpoint``) is saved against. This is the
+textbook: it leaves out speed and crash-safety (threads, locks, signals, pipelining),
+never a check; the hardened ``leanstate.save_checkpoint`` / ``load_checkpoint`` are held
+to it by differential tests (identical bytes, loads and error classes). See
 ``spec/checkpoint_format.md``.
 
 Example::
@@ -30,19 +32,20 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import shutil
 import stat
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import crc32c
 import torch
 
-from leanstate.reference.kv_store import SupportsRows
+from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
 
@@ -75,22 +78,50 @@ def save_checkpoint(
 
     ``tables`` maps names to stores or whole-row KVTensors, whose rows are saved, or to
     other views of a store saved under another name, which are recorded (a read-only
-    optimizer view costs no bytes: its rows live in the whole rows).
+    optimizer view costs no bytes: its rows live in the whole rows). Once the checkpoint
+    is in place, each saved store's ``mark`` names it, so a delta can be saved against it.
     """
     path = Path(path)
-    _check_chunk_bytes(chunk_bytes)
-    whole, views = _split_tables(tables)
+    check_chunk_bytes(chunk_bytes)
+    whole, views = split_tables(tables)
+    extra_bytes = None if extra is None else serialise_extra(extra)
+    temporary = staging_directory(path)
+    # the epoch ends before any row is read: a write during the save is in the next delta too
+    epochs = {id(store): (store, store.next_epoch()) for store in whole.values()}
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tables": {}, "views": views, "extra": None}
+    for name, store in whole.items():
+        file = temporary / f"{name}.rows"
+        manifest["tables"][name], _ = write_table(
+            store.get_rows, store.layout, store.keys(), file, chunk_bytes
+        )
+    manifest["extra"] = write_extra(temporary, extra_bytes)
+    digest = publish(temporary, path, manifest)
+    for store, epoch in epochs.values():  # only now: a failed save leaves the marks where they were
+        store.mark = ChangeMark(epoch, digest)
+    return path
+
+
+def staging_directory(path: Path) -> Path:
+    """A fresh, empty sibling of ``path`` to write a checkpoint into before it is renamed."""
     temporary = path.parent / f".{path.name}.reference-saving"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tables": {}, "views": views, "extra": None}
-    for name, store in whole.items():
-        manifest["tables"][name] = _write_table(store, temporary / f"{name}.rows", chunk_bytes)
-    if extra is not None:
-        data = _serialise(extra)
-        _write_file(temporary / EXTRA_FILE, data)
-        manifest["extra"] = {"file": EXTRA_FILE, "bytes": len(data), "crc": crc32c.crc32c(data)}
-    _write_file(temporary / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
+    return temporary
+
+
+def write_extra(temporary: Path, data: bytes | None) -> dict | None:
+    """Write ``extra.pt`` (when there is extra state); its manifest entry."""
+    if data is None:
+        return None
+    _write_file(temporary / EXTRA_FILE, data)
+    return {"file": EXTRA_FILE, "bytes": len(data), "crc": crc32c.crc32c(data)}
+
+
+def publish(temporary: Path, path: Path, manifest: dict) -> str:
+    """Write the manifest last (it marks the directory complete), then rename the directory
+    to ``path``, replacing what was there; the SHA-256 of the manifest bytes written."""
+    data = json.dumps(manifest, indent=1).encode()
+    _write_file(temporary / MANIFEST, data)
     _fsync_directory(temporary)
     old = path.parent / f".{path.name}.reference-old"
     if path.exists():
@@ -98,10 +129,10 @@ def save_checkpoint(
     os.rename(temporary, path)
     _fsync_directory(path.parent)
     shutil.rmtree(old, ignore_errors=True)
-    return path
+    return hashlib.sha256(data).hexdigest()
 
 
-def _split_tables(tables: Mapping) -> tuple[dict[str, SupportsRows], dict[str, dict]]:
+def split_tables(tables: Mapping) -> tuple[dict[str, SupportsRows], dict[str, dict]]:
     """(name -> store saved whole, name -> view recorded), checking names and values."""
     if not isinstance(tables, Mapping):
         raise TypeError("save_checkpoint: tables must be a mapping name -> KVStore or KVTensor")
@@ -121,15 +152,27 @@ def _split_tables(tables: Mapping) -> tuple[dict[str, SupportsRows], dict[str, d
     return whole, views
 
 
-def _write_table(store: SupportsRows, file: Path, chunk_bytes: int) -> dict:
-    """Write every row of ``store``, ascending by id, in chunks; the table's manifest entry."""
-    layout = store.layout
-    keys = store.keys()
+def write_table(
+    get_rows: Callable[[torch.Tensor], torch.Tensor],
+    layout: RowLayout,
+    keys: torch.Tensor,
+    file: Path,
+    chunk_bytes: int,
+) -> tuple[dict, list[int]]:
+    """Write the rows of ``keys`` (ascending; ``get_rows`` reads them, a store's or the rows of
+    a chain) in chunks: the table's manifest entry, and the ids dropped because their row was
+    deleted after ``keys`` was listed (their ``used`` bit is clear)."""
     rows_per_chunk = max(1, chunk_bytes // layout.row_bytes)
-    chunks, offset = [], 0
+    chunks, offset, dropped = [], 0, []
     with open(file, "wb") as f:
         for start in range(0, len(keys), rows_per_chunk):
-            rows = store.get_rows(keys[start : start + rows_per_chunk]).cpu()
+            asked = keys[start : start + rows_per_chunk]
+            rows = get_rows(asked).cpu()
+            used = header_words(rows)[:, 1] < 0  # bit 63; a missing id reads as zeros
+            dropped += asked[~used].tolist()
+            rows = rows[used]
+            if len(rows) == 0:
+                continue
             data = rows.contiguous().view(torch.uint8).numpy().tobytes()
             f.write(data)
             ids = header_words(rows)[:, 0]
@@ -140,7 +183,7 @@ def _write_table(store: SupportsRows, file: Path, chunk_bytes: int) -> dict:
             offset += len(data)
         f.flush()
         os.fsync(f.fileno())
-    return {
+    entry = {
         "file": file.name,
         "dim": layout.dim,
         "optimizer_state_dim": layout.state_dim,
@@ -148,16 +191,17 @@ def _write_table(store: SupportsRows, file: Path, chunk_bytes: int) -> dict:
         "header_elems": layout.header_elems,
         "width": layout.width,
         "row_bytes": layout.row_bytes,
-        "rows": len(keys),
+        "rows": offset // layout.row_bytes,
         "bytes": offset,
         "min_id": chunks[0]["min_id"] if chunks else None,
         "max_id": chunks[-1]["max_id"] if chunks else None,
         "checksum": "crc32c",
         "chunks": chunks,
     }
+    return entry, dropped
 
 
-def _serialise(extra: Mapping[str, object]) -> bytes:
+def serialise_extra(extra: Mapping[str, object]) -> bytes:
     """``extra`` as ``torch.save`` bytes, refused unless it loads back with ``weights_only=True``."""
     if not isinstance(extra, Mapping):
         raise TypeError("save_checkpoint: extra must be a mapping of names to tensors and plain values")
@@ -189,54 +233,79 @@ def load_checkpoint(
     checkpoint leaves the stores as they were.
     """
     path = Path(path)
-    _check_chunk_bytes(chunk_bytes)
+    check_chunk_bytes(chunk_bytes)
     if not isinstance(tables, Mapping):
         raise TypeError("load_checkpoint: tables must be a mapping name -> KVStore or KVTensor")
-    manifest = _read_manifest(path)
-    plan = []  # (store, its table in the manifest, the chunks to read)
+    manifest_bytes, manifest = read_manifest(path)
+    plan = []  # (name, store, its table in the manifest, the chunks to read)
     for name, value in tables.items():
-        _check_name(name)
-        if isinstance(value, KVTensor) and value.read_only:
-            value.ignored_writes += manifest["views"].get(name, {}).get("rows", 0)
+        store = store_to_load(name, value, manifest["views"])
+        if store is None:
             continue
-        if isinstance(value, KVTensor) and not _is_whole(value):
-            raise ValueError(f"load_checkpoint: tables[{name!r}] is a writable partial view")
-        store = value.store if isinstance(value, KVTensor) else _checked_store(name, value)
         if name not in manifest["tables"]:
             raise CheckpointError(f"table {name!r} is not in checkpoint {path}")
         table = manifest["tables"][name]
-        _check_layout(path, name, table, store.layout)
-        chunks = [(i, c) for i, c in enumerate(table["chunks"]) if id_range is None or _overlaps(c, id_range)]
+        check_layout(path, name, table, store.layout)
+        chunks = [(i, c) for i, c in enumerate(table["chunks"]) if id_range is None or overlaps(c, id_range)]
         plan.append((name, store, table, chunks))
-    extra = _read_extra(path, manifest)
+    extra = read_extra(path, manifest)
     for name, _, table, chunks in plan:  # pass 1: check every chunk
-        for _ in _read_chunks(path, name, table, chunks):
+        for _ in read_chunks(path, name, table, chunks):
             pass
+    stores = [store for _, store, _, _ in plan]
+    was_empty = [len(store) == 0 for store in stores]
     for name, store, table, chunks in plan:  # pass 2: apply
-        for rows in _read_chunks(path, name, table, chunks):
+        for rows in read_chunks(path, name, table, chunks):
             if id_range is not None:
                 ids = header_words(rows)[:, 0]
                 rows = rows[(ids >= id_range[0]) & (ids < id_range[1])]
             store.set_rows(rows)
+    mark_loaded(stores, was_empty, hashlib.sha256(manifest_bytes).hexdigest(), id_range)
     return extra
 
 
-def _read_manifest(path: Path) -> dict:
-    """The manifest, parsed as plain JSON and checked against every rule of the format."""
+def store_to_load(name: object, value: object, views: dict) -> SupportsRows | None:
+    """The store a load writes for the entry ``tables[name] = value``, or None for a
+    read-only view, whose ``ignored_writes`` grows by the saved view's ``rows`` instead."""
+    _check_name(name)
+    if isinstance(value, KVTensor) and value.read_only:
+        value.ignored_writes += views.get(name, {}).get("rows", 0)
+        return None
+    if isinstance(value, KVTensor) and not _is_whole(value):
+        raise ValueError(f"load_checkpoint: tables[{name!r}] is a writable partial view")
+    return value.store if isinstance(value, KVTensor) else _checked_store(name, value)
+
+
+def mark_loaded(
+    stores: list[SupportsRows], was_empty: list[bool], digest: str, id_range: tuple | None
+) -> None:
+    """After a load: each store equals the checkpoint only if every store was empty, none
+    was loaded twice and every id was loaded; then its mark names the checkpoint, taken
+    after the last row. Otherwise the marks stay: every row the load wrote is a tracked
+    change since each store's own mark."""
+    whole = all(was_empty) and len({id(store) for store in stores}) == len(stores) and id_range is None
+    if whole:
+        for store in stores:
+            store.mark = ChangeMark(store.next_epoch(), digest)
+
+
+def read_manifest(path: Path, rules: Callable[[object], str | None] | None = None) -> tuple[bytes, dict]:
+    """The manifest's bytes, and the manifest parsed as plain JSON and checked by ``rules``
+    (by default every rule of the full format)."""
     file = path / MANIFEST
     if not os.path.lexists(file):
         raise FileNotFoundError(f"no checkpoint at {path}: {file} does not exist")
-    with _open_regular(file) as f:
-        text = f.read()
+    with open_regular(file) as f:
+        data = f.read()
     try:
-        text = text.decode("utf-8")  # UTF-8 only: json.loads of bytes would take UTF-16 and -32 too
+        text = data.decode("utf-8")  # UTF-8 only: json.loads of bytes would take UTF-16 and -32 too
         manifest = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8, nesting too deep, 5,000-digit ints
         raise CheckpointError(f"{file}: not plain JSON ({type(exc).__name__}: {str(exc)[:200]})") from exc
-    problem = manifest_problem(manifest)
+    problem = (rules or manifest_problem)(manifest)
     if problem is not None:
         raise CheckpointError(f"{file}: {problem}")
-    return manifest
+    return data, manifest
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -355,7 +424,7 @@ def extra_problem(extra: object) -> str | None:
     return None
 
 
-def _check_layout(path: Path, name: str, table: dict, layout: RowLayout) -> None:
+def check_layout(path: Path, name: str, table: dict, layout: RowLayout) -> None:
     """The saved table (its own fields already agree) must have the store's layout."""
     saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
     if saved != layout:
@@ -364,7 +433,7 @@ def _check_layout(path: Path, name: str, table: dict, layout: RowLayout) -> None
         )
 
 
-def _open_regular(file: Path, size: int | None = None):
+def open_regular(file: Path, size: int | None = None):
     """``file`` opened for reading only if it is a regular file of ``size`` bytes (when given).
 
     ``O_NOFOLLOW`` refuses a symlink (it could point outside the checkpoint, or at
@@ -386,9 +455,7 @@ def _open_regular(file: Path, size: int | None = None):
     return os.fdopen(descriptor, "rb")
 
 
-def _read_chunks(
-    path: Path, name: str, table: dict, chunks: list[tuple[int, dict]]
-) -> Iterator[torch.Tensor]:
+def read_chunks(path: Path, name: str, table: dict, chunks: list[tuple[int, dict]]) -> Iterator[torch.Tensor]:
     """The rows of each listed (index, chunk), checked: the file is regular and ``bytes``
     long, then per chunk its CRC, strictly ascending ids and the manifest's id range.
     (The manifest's rules already hold: the chunks lie back to back inside ``bytes``.)"""
@@ -396,7 +463,7 @@ def _read_chunks(
     checksum = CHECKSUMS[table["checksum"]]
     layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
     last_id = -1
-    with _open_regular(file, table["bytes"]) as f:
+    with open_regular(file, table["bytes"]) as f:
         for index, chunk in chunks:
             where = f"table {name!r}: chunk {index} of {file}"
             f.seek(chunk["offset"])
@@ -413,7 +480,7 @@ def _read_chunks(
             yield rows
 
 
-def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
+def read_extra(path: Path, manifest: dict) -> dict[str, object]:
     """The dense extra state: size and CRC checked, loaded with ``weights_only=True``."""
     extra = manifest["extra"]
     if extra is None:
@@ -423,7 +490,7 @@ def _read_extra(path: Path, manifest: dict) -> dict[str, object]:
     if isinstance(extra, str):  # the form written before extra had a size and CRC
         extra = {"file": extra}
     file = path / extra["file"]
-    with _open_regular(file, extra.get("bytes")) as f:
+    with open_regular(file, extra.get("bytes")) as f:
         data = f.read()
     if "crc" in extra and crc32c.crc32c(data) != extra["crc"]:
         raise CheckpointError(f"{file} does not match its crc32c in the manifest")
@@ -462,7 +529,7 @@ def _checked_store(name: str, value: object) -> SupportsRows:
     return value
 
 
-def _check_chunk_bytes(chunk_bytes: object) -> None:
+def check_chunk_bytes(chunk_bytes: object) -> None:
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
 
@@ -471,7 +538,7 @@ def _is_whole(view: KVTensor) -> bool:
     return view.whole_rows and view.width_offset == 0 and view.width == view.store.layout.width
 
 
-def _overlaps(chunk: dict, id_range: tuple[int, int]) -> bool:
+def overlaps(chunk: dict, id_range: tuple[int, int]) -> bool:
     return chunk["max_id"] >= id_range[0] and chunk["min_id"] < id_range[1]
 
 

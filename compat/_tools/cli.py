@@ -1,4 +1,4 @@
-"""Command line: ``python -m leanstate {demo,info,bench,verify,inspect,convert,gpu-check}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,verify,inspect,compact,convert,gpu-check}``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"convert: {source} -> {target} failed: {_one_line(exc)}", file=sys.stderr)
         return 1
     print(f"{args.source} -> {args.target} ({'DCP' if written == 'dcp' else 'whole-row, version 1'})")
+    return 0
+
+
+def _compact(args: argparse.Namespace) -> int:
+    try:
+        leanstate.compact_checkpoint(args.source, args.target, chunk_bytes=args.chunk_bytes)
+    except (leanstate.CheckpointError, OSError, ValueError, TypeError) as exc:
+        print(f"compact: {args.source} -> {args.target} failed: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(f"{args.source} -> {args.target} (one full checkpoint)")
     return 0
 
 
@@ -194,6 +204,17 @@ def _add_convert(commands) -> None:
     convert.set_defaults(run=_convert)
 
 
+def _add_compact(commands) -> None:
+    """``leanstate compact SRC DST``."""
+    compact = commands.add_parser("compact", help="merge a delta chain into one full checkpoint")
+    compact.add_argument("source", help="the head of the chain (a delta checkpoint directory)")
+    compact.add_argument("target", help="the full checkpoint to write (atomically)")
+    compact.add_argument(
+        "--chunk-bytes", type=int, default=64 * 2**20, help="chunk size of the written file (default 64 MiB)"
+    )
+    compact.set_defaults(run=_compact)
+
+
 def _add_gpu_check(commands) -> None:
     """``leanstate gpu-check``."""
     gpu = commands.add_parser(
@@ -214,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_demo(commands)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
-    for add in (_add_bench, _add_inspect, _add_verify, _add_convert, _add_gpu_check):
+    for add in (_add_bench, _add_inspect, _add_verify, _add_compact, _add_convert, _add_gpu_check):
         add(commands)
     args = parser.parse_args(argv)
     return args.run(args)

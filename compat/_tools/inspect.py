@@ -1,13 +1,13 @@
 """``python -m leanstate inspect PATH``: a checkpoint's manifest (whole-row version 1 or 2,
-or a ``leanstate.dcp`` checkpoint's index), every chunk verified."""
+a delta chain link by link, or a ``leanstate.dcp`` checkpoint's index), every chunk verified."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
-from leanstate._checkpoint_files import read_manifest
-from leanstate._checkpoint_format import DTYPES, MANIFEST
+from leanstate._checkpoint_files import read_manifest_and_digest
+from leanstate._checkpoint_format import DTYPES, MANIFEST, is_delta
 from leanstate.checkpoint import verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -97,13 +97,50 @@ def _sharded(path: str, manifest: dict) -> int:
     return 0
 
 
-def _native(path: str) -> int:
-    """``inspect`` of a whole-row checkpoint (version 1 or 2)."""
+def _chain(path: str) -> int:
+    """``inspect`` of a delta: every link of its chain, each verified."""
+    from leanstate._checkpoint_chain import read_chain, verify_chain
+
     try:
-        version, manifest = read_manifest(Path(path))
+        links = read_chain(Path(path), "inspect")
     except (OSError, CheckpointError) as exc:
         print(f"BAD: {exc}")
         return 1
+    print(f"{path}: a delta chain of {len(links)} links, the head first")
+    for depth, link in enumerate(links):
+        kind = "delta" if link.delta else "full checkpoint"
+        print(f"  link {depth}: {link.path} ({kind}, manifest sha256 {link.digest[:16]})")
+        for name, t in link.manifest["tables"].items():
+            files = t.get("files") or [t]  # version 2: a file per rank
+            removed = sum(f["removed"]["ids"] for f in files) if link.delta else 0
+            removed = f", {removed} ids removed" if link.delta else ""
+            across = f" in {len(files)} rank files" if "files" in t else ""
+            print(
+                f"    table {name}: {t['rows']} rows x {t['width']} {t['dtype']}, "
+                f"{sum(f['bytes'] for f in files)} bytes in {sum(len(f['chunks']) for f in files)} "
+                f"chunks{across}{removed}"
+            )
+    verified = 0
+    try:
+        for link in verify_chain(links):
+            print(f"  link {verified} verified: {link.path}")
+            verified += 1
+    except (OSError, CheckpointError) as exc:
+        print(f"BAD: link {verified} ({links[verified].path}): {exc}")
+        return 1
+    print(f"OK: {verified} links verified")
+    return 0
+
+
+def _native(path: str) -> int:
+    """``inspect`` of a whole-row checkpoint (version 1 or 2, or a delta chain)."""
+    try:
+        version, manifest, _ = read_manifest_and_digest(Path(path))
+    except (OSError, CheckpointError) as exc:
+        print(f"BAD: {exc}")
+        return 1
+    if is_delta(manifest):
+        return _chain(path)
     print(f"{path}: {manifest['format']} version {version}")
     if version == 2:
         return _sharded(path, manifest)

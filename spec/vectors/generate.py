@@ -7,7 +7,9 @@ only), so the vectors check the code rather than echo it. Run from the repo root
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -129,6 +131,105 @@ def golden_checkpoint(folder: Path, fmt: str, checksum: str) -> dict:
     return manifest
 
 
+def whole_row_table(name: str, records: list[tuple[int, bytes]], dim: int, state_dim: int, chunk_bytes: int):
+    """A float32 crc32c table as a save writes it: its rows file's bytes and its manifest entry.
+    ``records`` are (id, whole row bytes), ascending by id."""
+    width = 4 + pad4(dim) + pad4(state_dim)
+    row = width * 4
+    per_chunk = max(1, chunk_bytes // row)
+    chunks = []
+    for first in range(0, len(records), per_chunk):
+        group = records[first : first + per_chunk]
+        chunks.append(
+            {
+                "offset": first * row,
+                "rows": len(group),
+                "min_id": group[0][0],
+                "max_id": group[-1][0],
+                "crc": crc32c(b"".join(r for _, r in group)),
+            }
+        )
+    data = b"".join(r for _, r in records)
+    entry = {
+        "file": f"{name}.rows",
+        "dim": dim,
+        "optimizer_state_dim": state_dim,
+        "dtype": "float32",
+        "header_elems": 4,
+        "width": width,
+        "row_bytes": row,
+        "rows": len(records),
+        "bytes": len(data),
+        "min_id": records[0][0] if records else None,
+        "max_id": records[-1][0] if records else None,
+        "checksum": "crc32c",
+        "chunks": chunks,
+    }
+    return data, entry
+
+
+def golden_delta(folder: Path) -> None:
+    """``delta_v1/``: ``base/`` (a full checkpoint of two tables and a read-only view),
+    ``delta/`` (a delta of it: in ``t`` two rows changed, one new, two removed; in ``u`` one
+    row changed and nothing removed) and ``compacted/`` (the chain as one full checkpoint).
+    Every save uses chunk_bytes 96 (two rows of ``t``, three of ``u``)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    chunk_bytes = 96
+    t_old = {
+        k: row_bytes("f", k, 1_700_000_000 + k, k % 7, 1, [k + 0.5, -k / 4, 1.0], [k / 8])
+        for k in (2, 3, 10, 11, 40)
+    }
+    t_new = {
+        k: row_bytes("f", k, 1_700_000_500 + k, k % 7 + 1, 1, [k + 0.25, k / 2, -2.0], [k / 16])
+        for k in (3, 11, 25)
+    }
+    u_old = {k: row_bytes("f", k, 1_700_000_100, 1, 1, [k * 1.5, -1.0], []) for k in (1, 5)}
+    u_new = {5: row_bytes("f", 5, 1_700_000_600, 2, 1, [0.75, 8.0], [])}
+    removed = {"t": [2, 40], "u": []}
+    links = {
+        "base": ({"t": t_old, "u": u_old}, None),
+        "delta": ({"t": t_new, "u": u_new}, removed),
+        "compacted": (
+            {
+                "t": {k: v for k, v in {**t_old, **t_new}.items() if k not in removed["t"]},
+                "u": {**u_old, **u_new},
+            },
+            None,
+        ),
+    }
+    digests = {}
+    for link, (tables, removals) in links.items():
+        (folder / link).mkdir(parents=True)
+        entries = {}
+        for name, rows in tables.items():
+            dim, state_dim = (3, 1) if name == "t" else (2, 0)
+            data, entry = whole_row_table(name, sorted(rows.items()), dim, state_dim, chunk_bytes)
+            (folder / link / f"{name}.rows").write_bytes(data)
+            if removals is not None:
+                ids = removals[name]
+                gone = struct.pack(f"<{len(ids)}q", *ids)
+                (folder / link / f"{name}.removed").write_bytes(gone)
+                entry["removed"] = {
+                    "file": f"{name}.removed",
+                    "ids": len(ids),
+                    "bytes": len(gone),
+                    "min_id": ids[0] if ids else None,
+                    "max_id": ids[-1] if ids else None,
+                    "crc": crc32c(gone),
+                }
+            entries[name] = entry
+        view = {"table": "t", "whole_rows": False, "width_offset": 4, "width": 1, "read_only": True}
+        view["rows"] = len(tables["t"]) if removals is None else len(links["compacted"][0]["t"])
+        manifest = {"format": "leanstate-whole-row", "version": 1}
+        if removals is not None:
+            manifest["format"] = "leanstate-whole-row-delta"
+            manifest["base"] = {"path": "../base", "manifest_sha256": digests["base"]}
+        manifest.update(tables=entries, views={"t.opt": view}, extra=None)
+        text = json.dumps(manifest, indent=1).encode()
+        (folder / link / "manifest.json").write_bytes(text)
+        digests[link] = hashlib.sha256(text).hexdigest()
+
+
 def damaged_manifests(manifest: dict) -> dict:
     """Manifests that break one reader rule each (``spec/checkpoint_format.md``, R2-R8), beside
     the sound rows of ``checkpoint_v1/``: each must be refused with a CheckpointError whose
@@ -220,8 +321,14 @@ def main() -> None:
     checksums = {
         "crc32c": "reflected polynomial 0x82F63B78, init 0xFFFFFFFF, final xor 0xFFFFFFFF",
         "crc32": "zlib's CRC-32: reflected polynomial 0xEDB88320, init 0xFFFFFFFF, final xor 0xFFFFFFFF",
+        "sha256": "FIPS 180-4 SHA-256 as 64 lowercase hex digits (a delta's base.manifest_sha256)",
         "cases": [
-            {"ascii": text, "crc32c": crc32c(text.encode()), "crc32": zlib.crc32(text.encode())}
+            {
+                "ascii": text,
+                "crc32c": crc32c(text.encode()),
+                "crc32": zlib.crc32(text.encode()),
+                "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            }
             for text in ("", "123456789", "leanstate")
         ],
     }
@@ -236,6 +343,7 @@ def main() -> None:
     golden_checkpoint(HERE / "checkpoint_v1_bf16_crc32c", "b", "crc32c")
     damaged = damaged_manifests(golden)
     (HERE / "checkpoint_v1_damaged.json").write_text(json.dumps(damaged, indent=1) + "\n")
+    golden_delta(HERE / "delta_v1")
 
 
 if __name__ == "__main__":

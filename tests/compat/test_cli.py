@@ -62,3 +62,30 @@ def test_table_config_defaults_agree():
     assert bag.state_store is not None and not bag.return_whole_row
     assert leanstate.KVTableConfig("t", 4).return_whole_row is True
     assert leanstate.KVTableConfig("t", 4, return_whole_row=False).return_whole_row is False
+
+
+def test_inspect_shows_each_link_of_a_chain_and_compact_merges_it(tmp_path, capsys):
+    store = filled()
+    leanstate.save_checkpoint(tmp_path / "c0", {"t": store}, chunk_bytes=256)
+    store.set(torch.tensor([1, 7]), torch.ones(2, 4))
+    store.delete(torch.tensor([14, 21, 28]))
+    leanstate.save_checkpoint(tmp_path / "c1", {"t": store}, base=tmp_path / "c0", chunk_bytes=256)
+    assert main(["inspect", str(tmp_path / "c1")]) == 0
+    out = capsys.readouterr().out
+    assert "a delta chain of 2 links" in out and "2 rows x 12 float32" in out and "3 ids removed" in out
+    assert "link 1 verified" in out and out.rstrip().endswith("OK: 2 links verified")
+    assert main(["compact", str(tmp_path / "c1"), str(tmp_path / "full"), "--chunk-bytes", "256"]) == 0
+    leanstate.save_checkpoint(tmp_path / "saved", {"t": store}, chunk_bytes=256)
+    for name in ("manifest.json", "t.rows"):
+        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "saved" / name).read_bytes()
+    removed = tmp_path / "c1" / "t.removed"
+    raw = bytearray(removed.read_bytes())
+    raw[17] ^= 0x01  # the last id grows: still ascending, only the CRC tells
+    removed.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "c1")]) == 1
+    bad = capsys.readouterr().out.splitlines()[-1]
+    assert bad.startswith("BAD: link 0") and "t.removed fails its crc32c check" in bad
+    assert main(["compact", str(tmp_path / "c1"), str(tmp_path / "again")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "t.removed" in error and not (tmp_path / "again").exists()

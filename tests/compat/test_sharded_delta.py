@@ -29,6 +29,7 @@ from leanstate import (
     load_checkpoint,
     save_checkpoint,
 )
+from leanstate.reference.kv_store import ChangeMark
 from tests.compat.sharded_models import G, configs, global_batch, local_batch, upstream
 from tests.harness import run_world
 
@@ -131,7 +132,8 @@ def history(rank: int, world: int, folder: Path, name: str, module=None, base: P
 
 def assert_loaded(module, folder: Path, name: str, head: str, rank: int, world: int, before=None) -> None:
     """This rank's stores hold exactly the saved union's rows of the buckets it owns (with
-    ``before``, a live load: its own other rows stay, the chain's replace theirs)."""
+    ``before``, a live load: its own other rows stay, the chain's replace theirs; the
+    marks are checked by the caller)."""
     expected = torch.load(folder / name / "expected.pt", weights_only=True)
     for table_name, table in module.checkpoint_tables().items():
         keys, rows = expected[table_name]
@@ -147,11 +149,9 @@ def assert_loaded(module, folder: Path, name: str, head: str, rank: int, world: 
         got_keys, got_rows = rows_of(table.store)
         assert torch.equal(got_keys, keys), f"{table_name}: rank {rank} holds other ids"
         assert torch.equal(got_rows, rows), f"{table_name}: rank {rank}'s rows differ"
-        mark = table.store.mark
         if before is None:
+            mark = table.store.mark
             assert mark is not None and mark.checkpoint == digest(folder / name / head), mark
-        else:
-            assert mark is None, "a store loaded live equals no checkpoint"
 
 
 def load_at(name: str, head: str = HEAD):
@@ -182,9 +182,14 @@ def load_into_live_stores(rank, world, folder):
     data = torch.Generator().manual_seed(7 + rank)
     for step, op in enumerate(["train", "set", "train"]):
         _operate(op, module, 50 + step, rank, world, data)
+    tables = module.checkpoint_tables()
+    tables["exact.weight"].store.mark = ChangeMark(tables["exact.weight"].store.next_epoch(), "ab" * 32)
+    marks = {name: table.store.mark for name, table in tables.items()}
     before = snapshot(module)
-    load_checkpoint(Path(folder, "s1", HEAD), module.checkpoint_tables(), process_group=dist.group.WORLD)
+    load_checkpoint(Path(folder, "s1", HEAD), tables, process_group=dist.group.WORLD)
     assert_loaded(module, Path(folder), "s1", HEAD, rank, world, before=before)
+    # not the checkpoint: each mark stays (every row the load wrote is a change since it)
+    assert {name: table.store.mark for name, table in tables.items()} == marks
 
 
 def continue_at_another_world(rank, world, folder):
@@ -444,3 +449,25 @@ def test_a_version_2_chain_is_not_compacted(folder, tmp_path):
     with pytest.raises(CheckpointError, match="saved across ranks .*only version-1 chains are compacted"):
         compact_checkpoint(folder / "s1" / HEAD, tmp_path / "full")
     assert not (tmp_path / "full").exists()
+
+
+def test_inspect_shows_and_verifies_a_chain_saved_across_ranks(runs, folder, tmp_path, capsys):
+    from leanstate._tools.cli import main
+
+    assert main(["inspect", str(folder / "s3x2" / HEAD)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"a delta chain of {2 * DELTAS + 1} links" in out
+        and "in 3 rank files" in out
+        and "in 2 rank files" in out
+    )
+    assert f"OK: {2 * DELTAS + 1} links verified" in out
+    copy = tmp_path / "s2"
+    shutil.copytree(folder / "s2", copy)
+    file = copy / "d2" / "hashed.weight.rank0.rows"
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x08
+    file.write_bytes(bytes(data))
+    assert main(["inspect", str(copy / HEAD)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD: link 1" in out and "hashed.weight.rank0.rows" in out and "checksum mismatch" in out
