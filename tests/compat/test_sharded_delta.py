@@ -471,3 +471,40 @@ def test_inspect_shows_and_verifies_a_chain_saved_across_ranks(runs, folder, tmp
     assert main(["inspect", str(copy / HEAD)]) == 1
     out = capsys.readouterr().out
     assert "BAD: link 1" in out and "hashed.weight.rank0.rows" in out and "checksum mismatch" in out
+
+
+def test_a_row_deleted_while_saving_is_a_removed_id(tmp_path, group):
+    """A written id whose row is gone by the time the save reads it is not a row of the
+    delta but one of its removed ids, in (bucket, id) order with the others."""
+    from leanstate import KVStore
+    from leanstate.reference.sharding import BucketedTable
+
+    class DeletingStore(KVStore):
+        victim = None
+
+        def get_rows(self, ids, *, out=None):
+            if self.victim is not None:
+                self.delete(torch.tensor([self.victim]))
+                self.victim = None
+            return super().get_rows(ids, out=out)
+
+    store = DeletingStore(4, clock=lambda: 5)
+    store.set(torch.arange(0, 40), torch.ones(40, 4))
+    tables = {"t": BucketedTable(store, 4, None)}
+    save_checkpoint(tmp_path / "c0", tables, process_group=group)
+    store.set(torch.tensor([5, 6, 9]), torch.full((3, 4), 2.0))
+    store.delete(torch.tensor([3, 12]))
+    store.victim = 6
+    save_checkpoint(tmp_path / "d1", tables, process_group=group, base=tmp_path / "c0")
+    (entry,) = json.loads((tmp_path / "d1" / "manifest.json").read_text())["tables"]["t"]["files"]
+    assert [(c["bucket"], c["min_id"], c["max_id"]) for c in entry["chunks"]] == [(1, 5, 9)]  # 6 dropped
+    removed = torch.frombuffer(
+        bytearray((tmp_path / "d1" / "t.rank0.removed").read_bytes()), dtype=torch.int64
+    )
+    assert removed.tolist() == [12, 6, 3]  # buckets (id % 4) 0, 2, 3
+    assert (entry["removed"]["min_id"], entry["removed"]["max_id"]) == (12, 3)  # first and last
+    fresh = KVStore(4)
+    load_checkpoint(tmp_path / "d1", {"t": fresh})
+    assert torch.equal(fresh.keys(), store.keys()) and torch.equal(
+        fresh.get_rows(store.keys()), store.get_rows(store.keys())
+    )
