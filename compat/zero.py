@@ -4,7 +4,9 @@ The textbook is ``leanstate.reference.zero`` (partition, local step, one broadca
 parameter, gather, renumber); this is its hardened, faster form, held to it by the
 differential scenarios of ``tests/compat/test_zero.py`` (bit-identical parameters and
 state dicts), with bucket views, asynchronous and overlapped broadcasts, point-to-point
-consolidation, trainability changes, clipping and ``Join``.
+consolidation (``leanstate._zero_consolidation``), trainability changes, clipping and
+``Join``. The partition and the state-dict renumbering are the textbook's own pure
+functions.
 
 Same constructor, methods and state-dict format as
 ``torch.distributed.optim.ZeroRedundancyOptimizer``: every rank holds all parameters and
@@ -37,8 +39,6 @@ Example (on every rank)::
 from __future__ import annotations
 
 import copy
-import ctypes
-import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,83 +48,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from leanstate._zero_consolidation import gather_state_dicts
+from leanstate.reference.zero import global_state_dict, local_state_dict, partition
+
 
 def _trainable(param: torch.Tensor) -> bool:
     return param.requires_grad
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def _from_bytes(data: torch.Tensor) -> Any:
-    # One memcpy out of the tensor's memory (not .numpy(): ZeRO needs torch alone, and
-    # not bytes(storage), which walks the storage one element at a time).
-    data = data.cpu().contiguous()
-    return torch.load(io.BytesIO(ctypes.string_at(data.data_ptr(), data.numel())), weights_only=True)
-
-
-def _split_tensors(obj: Any, *, copy: bool = False) -> tuple[Any, list[torch.Tensor]]:
-    """(``obj`` with each tensor replaced by a meta tensor of its shape and dtype, the
-    tensors on the CPU, contiguous, in the order a depth-first walk meets them);
-    ``copy``: (``obj`` with each tensor replaced by a CPU copy, those copies)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().to("cpu", copy=copy, memory_format=torch.contiguous_format)
-            tensors.append(tensor)
-            return tensor if copy else torch.empty(value.shape, dtype=value.dtype, device="meta")
-        if isinstance(value, dict):
-            return {key: strip(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(strip(item) for item in value)
-        return value
-
-    return strip(obj), tensors
-
-
-def _join_tensors(skeleton: Any, body: torch.Tensor) -> Any:
-    """``_split_tensors`` undone: each meta tensor becomes a view of its bytes in ``body``."""
-    offset = 0
-
-    def fill(value: Any) -> Any:
-        nonlocal offset
-        if isinstance(value, torch.Tensor):
-            offset = _aligned(offset)
-            data = body[offset : offset + _nbytes(value)]
-            offset += _nbytes(value)
-            return data.view(value.dtype).view(value.shape)
-        if isinstance(value, dict):
-            return {key: fill(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(fill(item) for item in value)
-        return value
-
-    return fill(skeleton)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // 16) * 16
-
-
-def _body_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of one buffer of ``tensors`` in order, each 16-byte aligned (``_join_tensors``'s layout)."""
-    end = 0
-    for tensor in tensors:
-        end = _aligned(end) + _nbytes(tensor)
-    return end
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -169,7 +98,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._optimizer_class = optimizer_class
         self._defaults = defaults
-        self._partition: list[list[dict]] = self._partition_groups()
+        self._partition: list[list[dict]] = partition(self.param_groups, self.world_size)
         self.optim: Optimizer = optimizer_class(self._partition[self.rank], **defaults)
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._trainable_mask = self._agree_on_mask()()
@@ -224,20 +153,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return [bool(x) for x in agreed.tolist()]
 
         return result
-
-    def _partition_groups(self) -> list[list[dict]]:
-        """Per rank, its param groups: each group's params, largest first, greedily."""
-        sizes = [0] * self.world_size
-        per_rank: list[list[dict]] = [[] for _ in range(self.world_size)]
-        for group in self.param_groups:
-            assigned: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-            for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-                rank = sizes.index(min(sizes))
-                assigned[rank].append(param)
-                sizes[rank] += param.numel()
-            for rank in range(self.world_size):
-                per_rank[rank].append({**group, "params": assigned[rank]})
-        return per_rank
 
     def _owner(self) -> dict[torch.Tensor, int]:
         return {p: rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
@@ -382,7 +297,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().add_param_group(param_group)
         if not self._initialized:
             return
-        self._partition = self._partition_groups()
+        self._partition = partition(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         self._trainable_mask = self._agree_on_mask()()
         self._build_buckets()
@@ -419,41 +334,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's local state to rank ``to`` (of the group). Call on every rank."""
         self._wait()
         self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
-        # No pickling of tensors: each rank sends a small pickled skeleton (its state with
-        # each tensor replaced by a meta tensor of its shape and dtype), then every tensor's
-        # bytes straight from where they lie; rank ``to`` receives them into one flat buffer
-        # per rank and rebuilds the tensors as views of it. Point to point, not
-        # dist.gather: gloo's gather of 32 MiB per rank measured 69-285 ms on one host.
-        sizes = torch.zeros(2, dtype=torch.int64)  # rank ``to`` sends nothing
-        if self.rank != to:
-            skeleton, tensors = _split_tensors(self.optim.state_dict())
-            head = _to_bytes(skeleton)
-            sizes = torch.tensor([head.numel(), _body_bytes(tensors)], dtype=torch.int64)
-        everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(everyone, sizes, group=self.process_group)
-        if self.rank != to:
-            target = self._global_rank(to)
-            for data in [head, *(_as_bytes(t) for t in tensors)]:
-                if data.numel():
-                    dist.send(data, dst=target, group=self.process_group)
-            self._gathered = None
-            return
-        gathered = []
-        for rank, (head_bytes, body_bytes) in enumerate(everyone):
-            if rank == to:  # a copy, as the other ranks' state is: later steps leave it as it was
-                gathered.append(_split_tensors(self.optim.state_dict(), copy=True)[0])
-                continue
-            source = self._global_rank(rank)
-            head = torch.empty(int(head_bytes), dtype=torch.uint8)
-            dist.recv(head, src=source, group=self.process_group)
-            state = _from_bytes(head)
-            body = torch.empty(int(body_bytes), dtype=torch.uint8)
-            state = _join_tensors(state, body)
-            for tensor in _split_tensors(state)[1]:
-                if tensor.numel():
-                    dist.recv(_as_bytes(tensor), src=source, group=self.process_group)
-            gathered.append(state)
-        self._gathered = gathered
+        self._gathered = gather_state_dicts(
+            self.optim.state_dict(),
+            to,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.process_group,
+            global_rank=self._global_rank,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state in ``torch.optim`` format (after consolidation here)."""
@@ -462,22 +350,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"the optimizer state is not consolidated on rank {self.rank}; call "
                 f"consolidate_state_dict(to={self.rank}) on every rank first"
             )
-        index = {p: i for i, p in enumerate(self._all_params)}
-        state: dict[int, Any] = {}
-        for rank, local in enumerate(self._gathered):
-            for local_group, global_group in zip(local["param_groups"], self._partition[rank], strict=True):
-                for local_index, param in zip(local_group["params"], global_group["params"], strict=True):
-                    if local_index in local["state"]:
-                        state[index[param]] = local["state"][local_index]
-        groups = []
-        for group, local_group in zip(
-            self.param_groups, self._gathered[self.rank]["param_groups"], strict=True
-        ):
-            entry = {k: v for k, v in local_group.items() if k != "params"}
-            entry.update({k: v for k, v in group.items() if k != "params"})
-            entry["params"] = [index[p] for p in group["params"]]
-            groups.append(entry)
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return global_state_dict(self.param_groups, self._partition, self._gathered, self.rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim``-format state dict (from any world size or a plain optimizer).
@@ -494,21 +367,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"state_dict has param groups of sizes {[len(g['params']) for g in groups]}; "
                 f"this optimizer has {sizes}"
             )
-        saved_index = {}
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            saved_index.update(zip(group["params"], saved["params"], strict=True))
-        # The local optimizer's own state dict: its params numbered in order, its state
-        # copied (torch.optim's load would alias the caller's tensors).
-        local_state, local_groups, number = {}, [], 0
-        for saved, local_group in zip(groups, self.optim.param_groups, strict=True):
-            numbers = []
-            for param in local_group["params"]:
-                if saved_index[param] in state_dict["state"]:
-                    local_state[number] = state_dict["state"][saved_index[param]]
-                numbers.append(number)
-                number += 1
-            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": numbers})
-        self.optim.load_state_dict(copy.deepcopy({"state": local_state, "param_groups": local_groups}))
+        # Only this rank's parameters, renumbered; their state copied (torch.optim's load
+        # would alias the caller's tensors).
+        self.optim.load_state_dict(local_state_dict(state_dict, self.param_groups, self.optim.param_groups))
         for saved, group in zip(groups, self.param_groups, strict=True):
             for key, value in saved.items():
                 if key != "params":
