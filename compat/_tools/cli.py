@@ -110,6 +110,12 @@ def _add_demo(commands) -> None:
     demo.add_argument("--nproc", type=int, default=2, help="gloo ranks (the elastic proofs use 1 and 2)")
     demo.add_argument("--steps", type=int, default=60, help="training steps")
     demo.add_argument("--every", type=int, default=10, help="a whole-row checkpoint every this many steps")
+    demo.add_argument(
+        "--full-every",
+        type=int,
+        default=3,
+        help="every this many checkpoints a full one; the ones between are deltas (1: all full)",
+    )
     demo.add_argument("--batch", type=int, default=1024, help="samples per global batch")
     demo.add_argument("--ids", type=int, default=200_000, help="distinct raw ids per feature (Zipf-drawn)")
     demo.add_argument("--dim", type=int, default=16, help="embedding dim")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -152,8 +153,9 @@ def _digest(ebc, mlp, group) -> str:
     return digest.hexdigest()
 
 
-def _save(path: Path, ebc, mlp, zero, step: int, group) -> None:
-    """A whole-row checkpoint of the tables, with the dense state and the step as its extra."""
+def _save(path: Path, ebc, mlp, zero, step: int, group, base: Path | None = None) -> None:
+    """A whole-row checkpoint of the tables, with the dense state and the step as its extra
+    (with ``base``: a delta of that checkpoint, the rows changed since it)."""
     rank = dist.get_rank(group)
     zero.consolidate_state_dict(to=0)
     extra = None
@@ -164,7 +166,7 @@ def _save(path: Path, ebc, mlp, zero, step: int, group) -> None:
             "step": step,
             "tables": ebc.extra_state(),
         }
-    leanstate.save_checkpoint(path, ebc.checkpoint_tables(), extra=extra, process_group=group)
+    leanstate.save_checkpoint(path, ebc.checkpoint_tables(), extra=extra, process_group=group, base=base)
 
 
 def _load(path: Path, ebc, mlp, zero, group) -> int:
@@ -180,7 +182,8 @@ def _train(run: dict, rank: int, world: int) -> dict:
     group = dist.group.WORLD
     out = Path(run["out"])
     ebc, mlp, zero = build(run["dim"], group, run["backend"])
-    first, record = 0, {"losses": {}, "saves": []}
+    first, record = 0, {"losses": {}, "saves": [], "bytes": [], "delta": []}
+    previous = None
     if run.get("load_from"):
         first = _load(Path(run["load_from"]), ebc, mlp, zero, group)
     steps = range(first, run["steps"])
@@ -211,8 +214,13 @@ def _train(run: dict, rank: int, world: int) -> dict:
             progress.update(1)
             progress.set_postfix(loss=f"{float(total):.4f}")
         if (step + 1) % run["every"] == 0 and (step + 1) < run["steps"] and run.get("save", True):
-            _save(out / run["name"] / f"step{step + 1}", ebc, mlp, zero, step + 1, group)
+            # every full_every-th save is full, the ones between are deltas of the save before
+            base = None if len(record["saves"]) % run["full_every"] == 0 else previous
+            previous = out / run["name"] / f"step{step + 1}"
+            _save(previous, ebc, mlp, zero, step + 1, group, base)
             record["saves"].append(step + 1)
+            record["bytes"].append(sum(f.stat().st_size for f in previous.iterdir()))
+            record["delta"].append(base is not None)
     if progress is not None:
         progress.close()
     record["digest"] = _digest(ebc, mlp, group)
@@ -240,7 +248,7 @@ def _spawn(run: dict, world: int) -> dict:
     return record
 
 
-def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict) -> bool:
+def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict, saves: dict) -> bool:
     try:
         import matplotlib
 
@@ -248,7 +256,7 @@ def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict) 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    figure, (losses, mem, io) = plt.subplots(1, 3, figsize=(15, 4.2))
+    figure, (losses, mem, io, written) = plt.subplots(1, 4, figsize=(20, 4.2))
     for name, record in runs.items():
         steps = sorted(record["losses"])
         losses.plot(steps, [record["losses"][s] for s in steps], label=name, linewidth=1.2)
@@ -267,6 +275,14 @@ def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict) 
     io.bar(list(speeds), list(speeds.values()), color="tab:blue")
     io.set_ylabel("MB/s")
     io.set_title("whole-row checkpoint save / load of the memory table")
+    colors = ["tab:orange" if delta else "tab:blue" for delta in saves["delta"]]
+    labels = [
+        f"{step}\n{'delta' if delta else 'full'}" for step, delta in zip(saves["saves"], saves["delta"])
+    ]
+    written.bar(labels, [size / 2**20 for size in saves["bytes"]], color=colors)
+    written.set_ylabel("MiB written")
+    written.set_xlabel("checkpoint at step")
+    written.set_title("bytes written per checkpoint: full against delta")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -291,6 +307,7 @@ def main(args: argparse.Namespace) -> int:
         "every": args.every,
         "backend": args.backend,
         "progress": True,
+        "full_every": args.full_every,
     }
     last = (args.steps - 1) // args.every * args.every
     middle = max(args.every, last // 2 // args.every * args.every)
@@ -337,9 +354,10 @@ def main(args: argparse.Namespace) -> int:
     full = runs["uninterrupted"]
     resumed = runs["resumed"]
     same_losses = all(resumed["losses"][s] == full["losses"][s] for s in resumed["losses"])
+    links = full["delta"][::-1].index(False) + 1 if False in full["delta"] else 1  # from the last full one
     proofs.append(
         (
-            f"resume from step {last} at {world} rank(s) is bit-exact",
+            f"resume from step {last} at {world} rank(s) ({'a chain of ' + str(links) + ' checkpoints' if links > 1 else 'a full checkpoint'}) is bit-exact",
             same_losses and resumed["digest"] == full["digest"],
             f"{len(resumed['losses'])} losses equal, final rows+dense sha256 {'equal' if resumed['digest'] == full['digest'] else 'DIFFER'}",
         )
@@ -373,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         table_io.close()
     png = out / "demo.png"
-    drawn = _plot(png, runs, memory, table_mib, speeds)
+    drawn = _plot(png, runs, memory, table_mib, speeds, full)
 
     # -- the summary -------------------------------------------------------------------
     print()
@@ -389,6 +407,13 @@ def main(args: argparse.Namespace) -> int:
         f"checkpoints: {len(saves)} saves during training; a {rows}-row table saves at {speeds['save']:.0f} MB/s "
         f"and loads at {speeds['load']:.0f} MB/s (whole rows, CRC-32C per chunk, fsync)"
     )
+    sizes = {kind: [b for b, d in zip(full["bytes"], full["delta"]) if d == kind] for kind in (False, True)}
+    if sizes[True] and sizes[False]:
+        print(
+            f"bytes written: {len(sizes[False])} full checkpoints of {statistics.mean(sizes[False]) / 2**20:.2f} MiB "
+            f"on average, {len(sizes[True])} deltas of {statistics.mean(sizes[True]) / 2**20:.2f} MiB "
+            f"({statistics.mean(sizes[True]) / statistics.mean(sizes[False]):.0%} of a full one)"
+        )
     print()
     for claim, ok, detail in proofs:
         print(f"{'PASS' if ok else 'FAIL'}  {claim}: {detail}")
