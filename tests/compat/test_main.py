@@ -18,7 +18,9 @@ def test_demo_trains_checkpoints_and_proves_its_claims(tmp_path):
         "demo", "--steps", "12", "--every", "4", "--batch", "128", "--ids", "2000", "--dim", "8",
         "--memory-rows", "400000", "--out", str(tmp_path / "demo"), timeout=1200,
     )  # fmt: skip
-    assert "PASS  resume from step 8 at 2 rank(s) is bit-exact" in out, out
+    # step 4 is full, step 8 a delta of it: the resume loads the chain
+    assert "PASS  resume from step 8 at 2 rank(s) (a chain of 2 checkpoints) is bit-exact" in out, out
+    assert "bytes written: 1 full checkpoints of" in out and "1 deltas of" in out, out
     assert "PASS  load at step 4, 2->1 ranks, trains on to the same losses" in out, out
     assert "1->2 ranks, trains on to the same losses" in out and "FAIL" not in out, out
     assert "PASS  whole-row load needs a fraction of the legacy load's memory" in out, out
@@ -26,7 +28,8 @@ def test_demo_trains_checkpoints_and_proves_its_claims(tmp_path):
         assert any(line.startswith(name) for line in out.splitlines()), name
     png = tmp_path / "demo" / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "demo" / "uninterrupted" / "step8" / "manifest.json").is_file()
+    manifest = (tmp_path / "demo" / "uninterrupted" / "step8" / "manifest.json").read_text()
+    assert '"format": "leanstate-whole-row-delta"' in manifest
 
 
 def test_version_and_help_texts():
