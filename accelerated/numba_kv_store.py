@@ -16,7 +16,9 @@ hash constants with the reference. The store keeps
 - a free list of released blocks, reused last in first out, as the reference does;
 - a readers-writer lock: reads run concurrently (the kernels release the GIL), writes
   are exclusive. One call already spreads over every core, so the shards of the
-  reference are not needed for parallelism here.
+  reference are not needed for parallelism here;
+- for change tracking, an int32 epoch per block (stamped by the kernels that write the
+  rows, mapped and grown in place with the pool) and a log of the removed ids by epoch.
 
 Kernels move rows as raw words (int64 for headers and whole rows, the element width
 for columns), so they never depend on the row dtype. Duplicates in one ``set`` are
