@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import mmap
 
-import numpy as np
 import torch
 
 
@@ -64,25 +63,24 @@ class ChangeLog:
 
 
 class MappedArray:
-    """A 1-D numpy array in an anonymous memory map that grows in place (``mremap``: no
+    """A 1-D CPU tensor in an anonymous memory map that grows in place (``mremap``: no
     copy; new elements are zero and cost nothing until written), for per-block values
-    kept beside a pool that grows the same way. ``array`` is replaced by each ``resize``:
-    no other view of it may be alive then."""
+    kept beside a pool that grows the same way. ``tensor`` is replaced by each
+    ``resize``: no other view of it may be alive then."""
 
-    def __init__(self, length: int, dtype: type) -> None:
-        self.dtype = np.dtype(dtype)
-        self._map = mmap.mmap(
-            -1, max(1, length) * self.dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
-        self.array = np.frombuffer(self._map, dtype=self.dtype)[:length]
+    def __init__(self, length: int, dtype: torch.dtype) -> None:
+        self.dtype, self.itemsize = dtype, torch.empty(0, dtype=dtype).element_size()
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._map = mmap.mmap(-1, max(1, length) * self.itemsize, flags=flags)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype)[:length]
 
     def resize(self, length: int) -> None:
         """At least ``length`` elements (existing ones kept)."""
-        if length <= len(self.array):
+        if length <= len(self.tensor):
             return
-        del self.array
-        self._map.resize(length * self.dtype.itemsize)
-        self.array = np.frombuffer(self._map, dtype=self.dtype)
+        del self.tensor
+        self._map.resize(length * self.itemsize)
+        self.tensor = torch.frombuffer(self._map, dtype=self.dtype)
 
     def nbytes(self) -> int:
         return len(self._map)

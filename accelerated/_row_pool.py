@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 
-import numpy as np
 import torch
 
 from leanstate.accelerated._change_log import MappedArray
@@ -35,8 +34,8 @@ class RowPool:
         if device.type == "cpu":
             self._map = mmap.mmap(-1, 1024 * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._view_map()
-            self._stamp_map = MappedArray(1024 + 1, np.int64)
-            self.stamps = torch.from_numpy(self._stamp_map.array)
+            self._stamp_map = MappedArray(1024 + 1, torch.int64)
+            self.stamps = self._stamp_map.tensor
         else:
             self.rows = torch.zeros(1024, layout.width, dtype=layout.dtype, device=device)
             self.stamps = torch.zeros(1024 + 1, dtype=torch.int64, device=device)
@@ -78,7 +77,7 @@ class RowPool:
             self._map.resize(size * self.layout.row_bytes)
             self._view_map()
             self._stamp_map.resize(size + 1)
-            self.stamps = torch.from_numpy(self._stamp_map.array)
+            self.stamps = self._stamp_map.tensor
             self.stamps[old] = 0  # the old spare stamp is a block's now
             return
         size = max(rows, old + old // 8)

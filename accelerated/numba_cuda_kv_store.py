@@ -24,6 +24,10 @@ element-wide columns), so they never depend on the row dtype. Ids and values are
 as CUDA tensors through ``__cuda_array_interface__`` (no copies), and results are torch
 CUDA tensors.
 
+For change tracking, ``locate(..., insert=True)`` (which ``set`` and ``set_rows`` go
+through) stamps each block's epoch in the pool's ``stamps`` in one kernel, and the
+removed ids are logged by epoch.
+
 Under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is
 imported) the same kernels run on the CPU over tensors in host memory: the engine then
 runs on ``device="cpu"``, and that is how the tests here drive it.

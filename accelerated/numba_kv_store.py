@@ -16,7 +16,9 @@ hash constants with the reference. The store keeps
 - a free list of released blocks, reused last in first out, as the reference does;
 - a readers-writer lock: reads run concurrently (the kernels release the GIL), writes
   are exclusive. One call already spreads over every core, so the shards of the
-  reference are not needed for parallelism here.
+  reference are not needed for parallelism here;
+- for change tracking, an int32 epoch per block (stamped by the kernels that write the
+  rows, mapped and grown in place with the pool) and a log of the removed ids by epoch.
 
 Kernels move rows as raw words (int64 for headers and whole rows, the element width
 for columns), so they never depend on the row dtype. Duplicates in one ``set`` are
@@ -210,7 +212,7 @@ class KVStoreEngine:
         # change tracking: each block's epoch of last write (int32: 4 bytes a row), removals
         self.tracking = True
         self._log = ChangeLog()
-        self._stamps = MappedArray(POOL_STEP_ROWS, np.int32)
+        self._stamps = MappedArray(POOL_STEP_ROWS, torch.int32)
         self._view_pool()
 
     def _view_pool(self) -> None:
@@ -312,7 +314,7 @@ class KVStoreEngine:
         self._free_room(count)
         added, reused, self.free_top = adopt(
             self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top,
-            self._stamps.array, self._epoch(),
+            self._stamps.tensor.numpy(), self._epoch(),
         )  # fmt: skip
         if added < 0:
             bad = -1 - added
@@ -387,7 +389,7 @@ class KVStoreEngine:
         blocks, fresh = self._locate_or_insert(ids)
         self._fill_initial(ids, blocks, fresh)
         if self.tracking:  # the caller writes every row it locates so (the embedding updates)
-            stamp_blocks(self._stamps.array, blocks, self._log.epoch)
+            stamp_blocks(self._stamps.tensor.numpy(), blocks, self._log.epoch)
         return torch.from_numpy(blocks)
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -495,7 +497,7 @@ class KVStoreEngine:
             mark_last_writers(self.words, blocks, winner)
             write_columns(
                 self.elems, self.words, blocks, winner, as_elements(values), start, now,
-                self._stamps.array, self._epoch(),
+                self._stamps.tensor.numpy(), self._epoch(),
             )  # fmt: skip
 
     def write_rows(self, rows: torch.Tensor) -> None:
@@ -505,7 +507,7 @@ class KVStoreEngine:
             blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
             mark_last_rows(self.words, blocks, winner)
-            write_rows(self.words, blocks, winner, words, self._stamps.array, self._epoch())
+            write_rows(self.words, blocks, winner, words, self._stamps.tensor.numpy(), self._epoch())
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
@@ -540,7 +542,9 @@ class KVStoreEngine:
         """``(written, removed)`` after epoch ``mark``, each ascending: present ids whose block
         was stamped later, and absent ids removed later. One snapshot under the lock."""
         with self.lock.reading():
-            written = np.sort(written_since(self.table_keys, self.table_blocks, self._stamps.array, mark))
+            written = np.sort(
+                written_since(self.table_keys, self.table_blocks, self._stamps.tensor.numpy(), mark)
+            )
             removed = self._log.removed_since(mark, torch.device("cpu"))
             absent = lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1
         return torch.from_numpy(written), removed[torch.from_numpy(absent)]

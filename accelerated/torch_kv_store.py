@@ -16,7 +16,9 @@ the only loops run over probe steps, never over ids:
 
 The initial rows are computed with the reference's hash restated in int64 arithmetic
 (it wraps modulo 2**64 as uint64 does; right shifts are made logical by masking).
-A lock makes each call atomic, so concurrent threads are safe.
+A lock makes each call atomic, so concurrent threads are safe. For change tracking each
+written block's epoch is stamped in the pool's ``stamps`` (one ``index_fill_`` a batch)
+and the removed ids are logged by epoch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ its checks share: bit comparisons that say where two results differ, a settable 
 Random operations on a store under test and on the reference store, inputs drawn from
 ``leanstate._strategies`` (edge and colliding ids, padding, wide and odd dims, every
 dtype, saturating counts, eviction boundaries, ``out=`` buffers), every result compared
-as raw bytes.
+as raw bytes. Change tracking too (``spec/kv_store.md``): epochs end at random, and the
+ids written and removed since a few remembered marks are compared with the reference's
+and with a plain model kept here (id -> epoch of its last write or removal).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from leanstate._strategies import PADDING_IDS, counts, evictions, id_batches, ids, layouts, out_buffers
 from leanstate.kv_store import KVStore
+from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import RowLayout, header_words, pack_metadata, unpack_metadata
 
 _IDS = id_batches(padding=True)  # duplicates, colliding ids, the int64 edges and padding
@@ -125,6 +128,26 @@ class StoreMachine(RuleBasedStateMachine):
         self.ref = reference_store(layout.dim, **options)
         self.mine = self.make_store(layout.dim, **options)
         self.ops = [f"a store of dim {layout.dim}, state {layout.state_dim}, {layout.dtype}, seed {seed}"]
+        # change tracking: the model (id -> epoch of its last write / removal) and the marks
+        # it is fair to ask about (none from before tracking was last turned back on)
+        self.epoch, self.tracking, self.marks = 1, True, [0]
+        self.written: dict[int, int] = {}
+        self.removed: dict[int, int] = {}
+        self.tracks = all(hasattr(self.mine, m) for m in ("changes", "next_epoch", "track_changes"))
+
+    def wrote(self, ids) -> None:
+        """The model: ``ids`` (padding skipped) were written in the current epoch."""
+        if self.tracking:
+            for key in (k for k in torch.as_tensor(ids).tolist() if k >= 0):
+                self.written[key] = self.epoch
+                self.removed.pop(key, None)
+
+    def gone(self, ids) -> None:
+        """The model: ``ids`` (present before) were deleted or evicted in the current epoch."""
+        if self.tracking:
+            for key in torch.as_tensor(ids).tolist():
+                self.removed[key] = self.epoch
+                self.written.pop(key, None)
 
     def both(self, method, *args, **kwargs):
         words = [shown(a) for a in args] + [f"{k}={shown(v)}" for k, v in kwargs.items()]
@@ -154,6 +177,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.both(
             "set", torch.tensor(ids, dtype=torch.int64), values.to(self.layout.dtype), width_offset=offset
         )
+        self.wrote(ids)
 
     @rule(ids=_IDS, data=st.data())
     def get(self, ids, data):
@@ -215,14 +239,18 @@ class StoreMachine(RuleBasedStateMachine):
                 self.fail(f"set_rows of rows keyed {ids} did not raise ValueError (a negative key)")
         else:
             self.both("set_rows", rows)
+            self.wrote(ids)
         if not same_bits(rows, before):
             self.fail("set_rows wrote into the caller's rows (it must copy them)")
 
     @rule(ids=_IDS)
     def delete(self, ids):
-        a, b = self.both("delete", torch.tensor(ids, dtype=torch.int64))
+        ids = torch.tensor(ids, dtype=torch.int64)
+        present = torch.unique(ids[self.ref.contains(ids)])
+        a, b = self.both("delete", ids)
         if a != b:
-            self.fail(f"delete({ids}) returned {b}, the reference {a} (the count of ids removed)")
+            self.fail(f"delete({ids.tolist()}) returned {b}, the reference {a} (the count of ids removed)")
+        self.gone(present)
 
     @rule(seconds=st.integers(0, 50))
     def tick(self, seconds):
@@ -245,6 +273,7 @@ class StoreMachine(RuleBasedStateMachine):
         a, b = self.both("evict", **policy)
         if not torch.equal(a, b):
             self.fail(f"evict({policy}) evicted ids {b.tolist()}, the reference {a.tolist()}")
+        self.gone(a)
 
     @rule(lo=ids(padding=True), span=st.integers(0, 50) | st.just(2**63))
     def keys_in_range(self, lo, span):
@@ -252,6 +281,70 @@ class StoreMachine(RuleBasedStateMachine):
         a, b = self.both("keys_in_range", lo, hi)
         if not torch.equal(a, b):
             self.fail(f"keys_in_range({lo}, {hi}) gave {b.tolist()}, the reference {a.tolist()}")
+
+    # -- change tracking ---------------------------------------------------------------
+
+    def on_both(self, method, *args):
+        """``method`` on the reference, and on the store under test when it tracks changes."""
+        self.ops.append(f"{method}({', '.join(map(shown, args))})")
+        mine = getattr(self.mine, method)(*args) if self.tracks else None
+        return getattr(self.ref, method)(*args), mine
+
+    @rule()
+    def new_epoch(self):
+        a, b = self.on_both("next_epoch")
+        if a != self.epoch or (self.tracks and b != a):
+            self.fail(f"next_epoch() returned {b}, the reference {a}; epoch {self.epoch} was current")
+        self.epoch += 1
+        if self.tracking:
+            self.marks.append(a)
+
+    @precondition(lambda self: self.marks)
+    @rule(data=st.data())
+    def changes(self, data):
+        mark = data.draw(st.sampled_from(self.marks), label="since")
+        present = set(self.ref.keys().tolist())
+        model = (
+            sorted(k for k, e in self.written.items() if e > mark and k in present),
+            sorted(k for k, e in self.removed.items() if e > mark and k not in present),
+        )
+        a, b = self.on_both("changes", mark)
+        for name, got in (("the reference", a), ("the store", b)):
+            if got is None:
+                continue
+            if not all(t.dtype == torch.int64 and t.dim() == 1 and t.device.type == "cpu" for t in got):
+                self.fail(f"changes({mark}) of {name}: not two 1-D int64 CPU tensors: {got}")
+            written, removed = (t.tolist() for t in got)
+            if (written, removed) != model:
+                self.fail(
+                    f"changes(since={mark}) of {name}: written {written}, removed {removed}; "
+                    f"expected written {model[0]}, removed {model[1]}"
+                )
+
+    @precondition(lambda self: self.marks)
+    @rule(data=st.data())
+    def set_mark(self, data):
+        """A checkpoint taken at a remembered mark: the stores forget the removals up to it."""
+        mark = ChangeMark(data.draw(st.sampled_from(self.marks), label="mark"), "0" * 64)
+        self.ops.append(f"mark = {mark}")
+        for store in (self.ref, self.mine) if self.tracks else (self.ref,):
+            store.mark = mark
+            if store.mark != mark:
+                self.fail(f"mark = {mark} left mark {store.mark}")
+        self.marks = [m for m in self.marks if m >= mark.epoch]  # the earlier ones are forgotten
+        if self.tracks and not all(map(torch.equal, self.mine.changes(), self.mine.changes(mark.epoch))):
+            self.fail("changes() is not changes(since=mark.epoch)")
+
+    @rule()
+    def track_changes(self):
+        """Tracking off (nothing recorded) or back on: either way no mark stays, and no mark
+        from before is fair to ask about again."""
+        self.tracking = not self.tracking
+        self.on_both("track_changes", self.tracking)
+        for store in (self.ref, self.mine) if self.tracks else (self.ref,):
+            if store.tracking != self.tracking or store.mark is not None:
+                self.fail(f"track_changes({self.tracking}) left tracking {store.tracking}, mark {store.mark}")
+        self.marks = []
 
     @invariant()
     def same_rows(self):

@@ -30,6 +30,7 @@ from leanstate._tools.workloads import (
 
 DCP_TARGETS = {"save": 0.85, "load": 0.8}  # DCP's save and load beside the whole-row ones
 V2_LOAD_TARGET = 0.8  # each rank's version-2 load beside a version-1 load of its rows
+TRACKING_TARGET = 0.95  # a training step with change tracking on beside the step with it off
 TABLES_THREADS_TARGET = 1.5  # two tables' load on torch's threads beside one thread
 LEGEND = (
     "ratio: how many times better leanstate does than its peer, higher is better (peer time / "
@@ -177,6 +178,20 @@ def checkpoint_figures(rows: int, dim: int, backends: list[str], rounds: int) ->
     return lines
 
 
+def tracking_figure(rows: int, dim: int, backend: str, rounds: int) -> tuple:
+    """The bench row of change tracking: a row-wise Adagrad training step of a KV bag on
+    ``backend`` with tracking on, beside the same bag's step with it off (each round
+    runs both, the best of three steps each)."""
+    bag = EmbeddingStep("kv", "rowwise_adagrad", rows, dim, backend=backend)
+    bag.step()  # warm-up
+    on, off = (lambda: bag.track(True), bag.step), (lambda: bag.track(False), bag.step)
+    times = samples({"on": on, "off": off}, rounds, inner=3)
+    return _line(
+        "embedding", "step s, change tracking on (B=4096x20)", backend, times["on"], "tracking off",
+        times["off"], TRACKING_TARGET,
+    )  # fmt: skip
+
+
 def _sharded_load_lines(ranks: list[dict], rows: int, backend: str) -> list[tuple]:
     """The bench rows of :func:`sharded_load_comparison`'s ``ranks``: each rank's version-2
     load of its share of a ``rows``-row table beside a version-1 load of the same rows."""
@@ -308,6 +323,7 @@ def report(
             name=name,
         )
         del ours, dense
+    lines.append(tracking_figure(rows, dim, backend, rounds))
     if "numba" in _backends.available("embedding"):
         loaded = threads_under_load(2 if quick else 3)
         for figure, measure in (

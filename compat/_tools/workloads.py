@@ -336,6 +336,12 @@ class EmbeddingStep:
             self.optimizer.step()
             self.optimizer.zero_grad()
 
+    def track(self, enabled: bool) -> None:
+        """Change tracking on or off in the bag's stores (a KV bag)."""
+        for store in (self.bag.store, self.bag.state_store):
+            if store is not None:
+                store.track_changes(enabled)
+
 
 def _zero_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
     """One rank of the ZeRO comparison: interleaved steps of leanstate's and torch's."""

@@ -69,6 +69,15 @@ class _FileSink:
     def close(self) -> dict:
         return table_entry(self.layout, self.out.file, self.out.close())
 
+    # a store's change tracking (``SupportsRows``): a sink records none
+    mark = None
+
+    def changes(self, since: int | None = None):
+        raise TypeError("convert: a conversion sink is written, not read")
+
+    def next_epoch(self) -> int:
+        return 0
+
 
 def convert(
     source: str | os.PathLike, target: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES

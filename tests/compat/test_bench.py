@@ -109,3 +109,11 @@ def test_each_ranks_v2_load_is_beside_a_v1_load_of_the_same_rows():
         assert row["target"] == ">= 0.8"
         assert row["leanstate"] == r["times"]["v2"][0] and row["peer value"] == r["times"]["v1"][0]
         _ratio_of_its_sides(row)
+
+
+def test_the_tracking_row_is_the_step_with_tracking_on_beside_the_same_step_off():
+    backend = "numba" if "numba" in _backends.available("embedding") else "reference"
+    row = dict(zip(bench.FIELDS, bench.tracking_figure(300, 8, backend, rounds=1)))
+    assert (row["component"], row["backend"], row["peer"]) == ("embedding", backend, "tracking off")
+    assert row["target"] == ">= 0.95"
+    _ratio_of_its_sides(row)  # throughput on / off: the step's time off / on
