@@ -114,7 +114,8 @@ def test_a_load_writes_every_row_it_loads(make, tmp_path):
     save_checkpoint(tmp_path / "c", {"t": source}, chunk_bytes=1024)
     empty = make()  # numba reads the rows in place and adopts them
     load_checkpoint(tmp_path / "c", {"t": empty}, chunk_bytes=1024)
-    assert torch.equal(empty.changes()[0], source.keys())
+    assert torch.equal(empty.changes(since=0)[0], source.keys())  # the load's writes, every row
+    assert empty.mark is not None and [len(c) for c in empty.changes()] == [0, 0]  # marked after them
     full = make()  # not empty: upserted through set_rows
     full.set(ids(1, 3), torch.ones(2, 4))
     mark = full.next_epoch()
