@@ -418,7 +418,9 @@ def read_chunks(
                     yield index, chunk, None
 
     if not ahead:
-        buffer = bytearray(size)
+        import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
+
+        buffer = np.empty(size, dtype=np.uint8)  # not zeroed: every byte is read into first
         yield from produce(lambda: buffer)
         return
     yield from one_buffer_ahead(produce, [bytearray(size) for _ in range(2)])

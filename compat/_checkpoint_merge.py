@@ -298,16 +298,23 @@ def apply_merge(
     slice_bytes: int = SLICE_BYTES,
 ) -> int:
     """Upsert the merge of ``parts`` into ``store`` (``keep(ids)``: the rows and removals
-    this load applies); with ``delete``, delete the winning removals too. Rows applied."""
-    layout, applied = store.layout, 0
-    for pieces, removed in merged(parts, slice_bytes, in_order=False):
-        for piece in pieces:  # distinct ids: the order they are applied in does not matter
-            rows = torch.from_numpy(piece).view(layout.dtype).view(-1, layout.width)
-            if keep is not None:
-                rows = rows[keep(header_words(rows)[:, 0])]
-            store.set_rows(rows)
-            applied += len(rows)
-        if delete and len(removed):
-            ids = torch.from_numpy(removed)
-            store.delete(ids if keep is None else ids[keep(ids)])
+    this load applies); with ``delete``, delete the winning removals too. Rows applied.
+
+    With ``delete`` the store holds exactly the links below ``parts`` (a load into empty
+    stores, the full link read first), so each link is applied in turn, oldest first:
+    its rows upserted and its removals deleted over what the links below left is the
+    merge's result, without merging the links with each other (one file's slices are
+    applied as they were read)."""
+    applied = 0
+    for group in [[part] for part in parts] if delete else [parts]:
+        for pieces, removed in merged(group, slice_bytes, in_order=False):
+            for piece in pieces:  # distinct ids: the order they are applied in does not matter
+                rows = torch.from_numpy(piece).view(store.layout.dtype).view(-1, store.layout.width)
+                if keep is not None:
+                    rows = rows[keep(header_words(rows)[:, 0])]
+                store.set_rows(rows)
+                applied += len(rows)
+            if delete and len(removed):
+                ids = torch.from_numpy(removed)
+                store.delete(ids if keep is None else ids[keep(ids)])
     return applied

@@ -15,6 +15,7 @@ import torch
 
 import leanstate
 from leanstate import _backends
+from leanstate._tools.delta_workloads import delta_figures
 from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
 from leanstate._tools.workloads import (
     CheckpointIO,
@@ -244,6 +245,9 @@ def report(
     lines.extend(checkpoint_figures(checkpoint_rows, dim, engines, rounds))
     ranks = sharded_load_comparison(checkpoint_rows, dim, backend, rounds)
     lines.extend(_sharded_load_lines(ranks, checkpoint_rows, backend))
+    # at the size the delta targets are stated for: a delta's fixed cost (five fsyncs)
+    # would dominate a smaller table's
+    lines.extend(delta_figures(DELTA_ROWS, dim, backend, rounds, _line))
     chunk = 16 * 2**20
     memory = load_peak_extra_bytes(rows, dim, backend, chunk)
     table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
@@ -492,6 +496,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+DELTA_ROWS = 1_000_000
 QUICK_SIZES = {"rows": 100_000, "checkpoint_rows": 300_000, "batch": 8192, "dim": 128}
 FULL_SIZES = {"rows": 200_000, "checkpoint_rows": 1_000_000, "batch": 16_384, "dim": 128}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import leanstate
+from leanstate._background import finish_removals
 from leanstate._tools.workloads import filled_store, samples
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
 
@@ -44,7 +45,7 @@ class DeltaChain:
         self.final = self.folder / "final"
         save_checkpoint(self.final, {"t": self.store})
         self.head = self.final
-        self.loaded = self._fresh()  # the chain's rows, for the compaction's peer
+        self.loaded = self.fresh_store()  # the chain's rows, for the compaction's peer
         load_checkpoint(self.final, {"t": self.loaded})
         self._spare = 0
 
@@ -70,24 +71,30 @@ class DeltaChain:
     def delta_save(self) -> tuple[Callable[[], None], Callable[[], None]]:
         """(touch, save a delta of it): the delta goes beside the last save, never over it."""
 
+        def touch() -> None:
+            self.touch()
+            # the full save's previous copy is deleted on a thread after it returns: not
+            # while the delta is timed
+            finish_removals()
+
         def save() -> None:
             self._spare = 1 - self._spare
             self._save_delta(self.folder / f"spare{self._spare}")
 
-        return self.touch, save
+        return touch, save
 
     def full_save(self) -> None:
         save_checkpoint(self.folder / "full", {"t": self.store})
         self.head = self.folder / "full"
 
-    def _fresh(self) -> leanstate.KVStore:
+    def fresh_store(self) -> leanstate.KVStore:
         return leanstate.KVStore(self.dim, optimizer_state_dim=1, backend=self.backend)
 
     def chain_load(self) -> None:
-        load_checkpoint(self.chain, {"t": self._fresh()})
+        load_checkpoint(self.chain, {"t": self.fresh_store()})
 
     def full_load(self) -> None:
-        load_checkpoint(self.final, {"t": self._fresh()})
+        load_checkpoint(self.final, {"t": self.fresh_store()})
 
     def compact(self) -> None:
         compact_checkpoint(self.chain, self.folder / "compacted")
@@ -107,16 +114,18 @@ def delta_figures(rows: int, dim: int, backend: str, rounds: int, line: Callable
     try:
         written, needed = chain.delta_bytes()
         chain.chain_load()  # warm-up
-        times = samples(
+        times = samples(  # each after the deletions of the copies the saves before it replaced
             {
-                "chain load": chain.chain_load,
-                "full load": chain.full_load,
-                "compact": chain.compact,
-                "save final": chain.save_final,
+                "chain load": (finish_removals, chain.chain_load),
+                "full load": (finish_removals, chain.full_load),
+                "compact": (finish_removals, chain.compact),
+                "save final": (finish_removals, chain.save_final),
             },
             rounds,
         )
-        saves = samples({"delta save": chain.delta_save(), "full save": chain.full_save}, rounds)
+        saves = samples(
+            {"delta save": chain.delta_save(), "full save": (finish_removals, chain.full_save)}, rounds
+        )
     finally:
         chain.close()
     share = f"{chain.share:.0%} of {rows} rows"

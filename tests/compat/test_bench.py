@@ -4,6 +4,7 @@ checkpoint rows of the bench table, each beside its peer with its target, in a t
 import pytest
 import torch
 
+import leanstate
 from leanstate import _backends
 from leanstate._tools import bench
 from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
@@ -117,3 +118,45 @@ def test_the_tracking_row_is_the_step_with_tracking_on_beside_the_same_step_off(
     assert (row["component"], row["backend"], row["peer"]) == ("embedding", backend, "tracking off")
     assert row["target"] == ">= 0.95"
     _ratio_of_its_sides(row)  # throughput on / off: the step's time off / on
+
+
+def test_the_delta_rows_put_each_figure_beside_its_peer():
+    from leanstate._tools.delta_workloads import delta_figures
+
+    rows = _rows_of(delta_figures(2000, 8, "reference", 1, bench._line))
+    share = "1% of 2000 rows"
+    expected = {
+        (f"delta save s, {share} touched", "full save"): ">= 20",
+        (f"delta bytes, {share} touched", "changed rows + removed ids"): ">= 0.952",
+        (f"load full + 10 deltas of {share} s", "full load of the same rows"): ">= 0.769",
+        (f"compact full + 10 deltas of {share} s", "full save of the result"): ">= 0.8",
+    }
+    assert {key: row["target"] for key, row in rows.items()} == expected
+    for row in rows.values():
+        _ratio_of_its_sides(row)
+    # a delta holds the changed rows and the removed ids, and its manifest: a little more
+    size = rows[(f"delta bytes, {share} touched", "changed rows + removed ids")]
+    assert size["peer value"] < size["leanstate"] < size["peer value"] + 4096
+
+
+def test_a_chain_of_the_delta_workload_loads_and_compacts_to_its_final_rows():
+    from leanstate._tools.delta_workloads import DeltaChain
+
+    chain = DeltaChain(
+        3000, 8, "numba" if "numba" in _backends.available("kv_store") else "reference", links=3
+    )
+    try:
+        loaded = chain.fresh_store()
+        leanstate.load_checkpoint(chain.chain, {"t": loaded})
+        keys = chain.loaded.keys()
+        assert torch.equal(loaded.keys(), keys) and torch.equal(
+            loaded.get_rows(keys), chain.loaded.get_rows(keys)
+        )
+        chain.compact()
+        chain.save_final()
+        for name in ("manifest.json", "t.rows"):
+            assert (chain.folder / "compacted" / name).read_bytes() == (
+                chain.folder / "final-again" / name
+            ).read_bytes()
+    finally:
+        chain.close()
