@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -354,29 +354,13 @@ def save_delta(
         raise ValueError(f"{method}: base={str(base)!r} is not a checkpoint ({exc})") from exc
     if version == 2:
         raise ValueError(f"{method}: base {base} was saved across ranks; save its delta with process_group=")
-    resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
-    if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):
-        raise ValueError(
-            f"{method}: path {path} is the base checkpoint (or inside it): save the delta beside it"
-        )
+    stores = {name: target.store for name, target in whole.items()}
     saved = base_manifest["tables"]
-    if set(whole) != set(saved):
-        raise ValueError(
-            f"{method}: a delta saves the tables of its base; base {base} has {sorted(saved)}, "
-            f"tables has {sorted(whole)}"
-        )
-    for name, target in whole.items():
-        try:
-            check_layout(base / saved[name]["file"], name, saved[name], target.store)
-        except CheckpointError as exc:
-            raise ValueError(f"{method}: tables[{name!r}] does not match its base: {exc}") from exc
-        mark = getattr(target.store, "mark", None)
-        if mark is None or mark.checkpoint != digest:
-            raise ValueError(
-                f"{method}: tables[{name!r}]: the store's changes are not tracked since base {base} "
-                f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
-                "save a full checkpoint first (base=None), then deltas against it"
-            )
+
+    def matches(name: str) -> None:
+        check_layout(base / saved[name]["file"], name, saved[name], stores[name])
+
+    check_delta_base(path, base, digest, saved, stores, matches, f"{method}: ")
     epochs, changes = {}, {}
     for name, target in whole.items():  # before any row is read: later writes go to the next delta
         epochs[name] = target.store.next_epoch()
@@ -414,6 +398,45 @@ def save_delta(
         publish(staging, path, manifest=data)
     set_marks(whole, epochs, data)
     return path
+
+
+def check_delta_base(
+    path: Path,
+    base: Path,
+    digest: str,
+    saved: dict,
+    stores: Mapping[str, SupportsRows],
+    matches: Callable[[str], None],
+    prefix: str = "",
+) -> None:
+    """What a delta of ``stores`` at ``path`` needs of its base (its manifest's SHA-256
+    ``digest`` and ``saved`` tables): a path beside it, the base's tables, each matching
+    (``matches(name)`` raises :class:`CheckpointError` if not) and each store's change mark
+    at the base. A ``ValueError`` (after ``prefix``) names the first table that fails."""
+    resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
+    if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):
+        raise ValueError(
+            f"{prefix}path {path} is the base checkpoint (or inside it): save the delta beside it"
+        )
+    if set(stores) != set(saved):
+        raise ValueError(
+            f"{prefix}a delta saves the tables of its base; base {base} has {sorted(saved)}, "
+            f"tables has {sorted(stores)}; save a full checkpoint first (base=None)"
+        )
+    for name, store in stores.items():
+        try:
+            matches(name)
+        except CheckpointError as exc:
+            raise ValueError(
+                f"{prefix}tables[{name!r}] does not match its base ({exc}); save a full checkpoint first (base=None)"
+            ) from exc
+        mark = getattr(store, "mark", None)
+        if mark is None or mark.checkpoint != digest:
+            raise ValueError(
+                f"{prefix}tables[{name!r}]: the store's changes are not tracked since base {base} "
+                f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
+                "save a full checkpoint first (base=None), then deltas against it"
+            )
 
 
 def set_marks(whole: Mapping[str, Target], epochs: dict[str, int], manifest: bytes) -> None:

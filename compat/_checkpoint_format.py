@@ -263,15 +263,26 @@ def manifest_problem(manifest: object) -> str | None:
             f"(this leanstate reads the JSON integer {FORMAT_VERSION})"
         )
     tables = manifest["tables"]
+    problem = tables_problem(tables, removed=False)
+    if problem is not None:
+        return problem
+    return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+
+
+def tables_problem(tables: object, *, removed: bool) -> str | None:
+    """The first way a version-1 ``tables`` object breaks the schema (with ``removed``: a
+    delta's, each table also listing its removed ids), or None."""
     if not isinstance(tables, dict):
         return "tables must be an object"
     for name, table in tables.items():
         key = f"tables[{name!r}]"
         problem = table_name_problem(name)
         problem = f"{key}: the name {problem}" if problem else table_problem(key, table, f"{name}.rows")
+        if problem is None and removed:
+            problem = removed_problem(f"{key}.removed", table.get("removed"), name)
         if problem is not None:
             return problem
-    return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+    return None
 
 
 def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str | None:
@@ -351,15 +362,9 @@ def delta_manifest_problem(manifest: dict) -> str | None:
     if problem is not None:
         return problem
     tables = manifest["tables"]
-    if not isinstance(tables, dict):
-        return "tables must be an object"
-    for name, table in tables.items():
-        key = f"tables[{name!r}]"
-        problem = table_name_problem(name)
-        problem = f"{key}: the name {problem}" if problem else table_problem(key, table, f"{name}.rows")
-        problem = problem or removed_problem(f"{key}.removed", table.get("removed"), name)
-        if problem is not None:
-            return problem
+    problem = tables_problem(tables, removed=True)
+    if problem is not None:
+        return problem
     return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
 
 

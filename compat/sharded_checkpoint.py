@@ -125,28 +125,12 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
             f"base {base} was saved by one process (version 1); a delta across ranks needs a version-2 "
             "base: save a full checkpoint with process_group first"
         )
-    resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
-    if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):
-        raise ValueError(f"path {path} is the base checkpoint (or inside it): save the delta beside it")
-    if set(tables) != set(manifest["tables"]):
-        raise ValueError(
-            f"a delta saves the tables of its base; base {base} has {sorted(manifest['tables'])}, "
-            f"tables has {sorted(tables)}; save a full checkpoint first (base=None)"
-        )
-    for name, table in tables.items():
-        try:
-            _check_table(Path(base), name, manifest["tables"][name], table)
-        except CheckpointError as exc:
-            raise ValueError(
-                f"tables[{name!r}] does not match its base ({exc}); save a full checkpoint first (base=None)"
-            ) from exc
-        mark = getattr(table.store, "mark", None)
-        if mark is None or mark.checkpoint != digest:
-            raise ValueError(
-                f"tables[{name!r}]: the store's changes are not tracked since base {base} "
-                f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
-                "save a full checkpoint first (base=None), then deltas against it"
-            )
+    stores = {name: table.store for name, table in tables.items()}
+
+    def matches(name: str) -> None:
+        _check_table(Path(base), name, manifest["tables"][name], tables[name])
+
+    _chain().check_delta_base(Path(path), Path(base), digest, manifest["tables"], stores, matches)
     return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
 
 
