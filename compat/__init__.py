@@ -28,9 +28,9 @@ from leanstate.embedding import (
     KVTableConfig,
 )
 from leanstate.kv_store import KVStore
+from leanstate.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
-from leanstate.reference.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout
 from leanstate.reference.sharding import bucket_owner, row_wise_id_range

@@ -18,11 +18,11 @@ from pathlib import Path
 import crc32c
 import torch
 
+from leanstate._bucketed_table import BucketedTable
 from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
-from leanstate.reference.sharding import BucketedTable
 
 __all__ = ["EXTRA_FILE", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "CheckpointError"]  # the format's names
 DEFAULT_CHUNK_BYTES = 64 * 2**20

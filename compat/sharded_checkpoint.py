@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate import _checkpoint_files as files
+from leanstate._bucketed_table import BucketedTable, describe_bucketing
 from leanstate._checkpoint_chunks import (
     TableRead,
     bucket_major,
@@ -64,7 +65,7 @@ from leanstate._checkpoint_load import (
 from leanstate._checkpoint_ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
 from leanstate.reference.kv_store import ChangeMark
-from leanstate.reference.sharding import BucketedTable, bucket_range, describe_bucketing, owner_of_bucket
+from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
 FORMAT_VERSION = 2
 

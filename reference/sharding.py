@@ -20,11 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-from leanstate.reference.kv_store import SupportsRows
 
 
 def _check(world_size: int | None, total_num_buckets: int, bucket_size: int | None) -> None:
@@ -68,14 +64,6 @@ def owner_of_bucket(buckets, *, world_size: int, total_num_buckets: int):
     return buckets * world_size // total_num_buckets
 
 
-def describe_bucketing(buckets: int, bucket_size: int | None) -> str:
-    """A bucketing in words: ``"1024 buckets of 98 consecutive ids (id // 98)"`` or
-    ``"1024 interleaved buckets (id % 1024)"``."""
-    if bucket_size is None:
-        return f"{buckets} interleaved buckets (id % {buckets}, for hashed ids)"
-    return f"{buckets} buckets of {bucket_size} consecutive ids (id // {bucket_size})"
-
-
 def bucket_owner(
     ids: torch.Tensor, *, world_size: int, total_num_buckets: int = 1024, bucket_size: int | None = None
 ) -> torch.Tensor:
@@ -100,23 +88,3 @@ def row_wise_id_range(num_embeddings: int, rank: int, world_size: int) -> tuple[
     block = -(-num_embeddings // world_size)
     hi = 2**63 if rank == world_size - 1 else min(num_embeddings, (rank + 1) * block)
     return min(num_embeddings, rank * block), hi
-
-
-@dataclass(frozen=True)
-class BucketedTable:
-    """One table of a sharded module as a checkpoint sees it: this rank's store and the
-    table's bucketing (``buckets`` buckets; chunk mode with ``bucket_size``, else interleaved)."""
-
-    store: SupportsRows
-    buckets: int
-    bucket_size: int | None
-
-    def owner(self, ids: torch.Tensor, world_size: int) -> torch.Tensor:
-        """The rank owning each id at ``world_size``."""
-        return bucket_owner(
-            ids, world_size=world_size, total_num_buckets=self.buckets, bucket_size=self.bucket_size
-        )
-
-    def bucket(self, ids: torch.Tensor) -> torch.Tensor:
-        """The bucket of each id."""
-        return bucket_of(ids, total_num_buckets=self.buckets, bucket_size=self.bucket_size)

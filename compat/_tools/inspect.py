@@ -6,12 +6,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from leanstate._bucketed_table import describe_bucketing
 from leanstate._checkpoint_files import read_manifest_and_digest
 from leanstate._checkpoint_format import DTYPES, MANIFEST, is_delta
 from leanstate.checkpoint import verify_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
-from leanstate.reference.sharding import describe_bucketing
 from leanstate.sharded_checkpoint import verify_sharded
 
 

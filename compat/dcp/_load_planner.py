@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from leanstate._bucketed_table import BucketedTable
 from leanstate._checkpoint_chunks import in_saving_order
 from leanstate._checkpoint_format import check_layout
 from leanstate.dcp._state import (
@@ -37,7 +38,7 @@ from leanstate.dcp._state import (
 )
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace
-from leanstate.reference.sharding import BucketedTable, bucket_of, owner_of_bucket
+from leanstate.reference.sharding import bucket_of, owner_of_bucket
 
 
 @dataclasses.dataclass

@@ -17,11 +17,11 @@ from pathlib import Path
 import crc32c
 import torch
 
+from leanstate._bucketed_table import BucketedTable
 from leanstate._checkpoint_format import DTYPES, layout_fields
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout
-from leanstate.reference.sharding import BucketedTable
 
 FORMAT_NAME = "leanstate-dcp-kv"
 FORMAT_VERSION = 1

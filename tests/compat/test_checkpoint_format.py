@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
+from leanstate._bucketed_table import BucketedTable
 from leanstate._checkpoint_files import read_manifest
 from leanstate._checkpoint_format import is_count, is_crc, is_id
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
-from leanstate.reference.sharding import BucketedTable
 
 
 def filled(n: int = 20, dim: int = 6, state: int = 2) -> KVStore:

@@ -32,10 +32,11 @@ import torch.distributed as dist
 import leanstate
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore
+from leanstate._bucketed_table import BucketedTable
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.dcp._state import MAX_ID, MIN_ID, OFFSET
 from leanstate.reference import checkpoint as reference
-from leanstate.reference.sharding import BucketedTable, bucket_owner
+from leanstate.reference.sharding import bucket_owner
 from tests.harness import FakeClock, rewrite_dcp_item, run_world
 
 BACKENDS = ("numba", "torch", "reference")

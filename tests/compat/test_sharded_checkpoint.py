@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
-from leanstate.reference.sharding import BucketedTable
+from leanstate._bucketed_table import BucketedTable
 from leanstate.sharded_checkpoint import last_load_stats, load_sharded
 
 BUCKETS, BUCKET_SIZE = 8, 100  # ids 0..799: bucket = id // 100
