@@ -12,6 +12,9 @@ the public hook that adds a line. Each engine module describes itself:
 - ``BENCH_TARGETS``: figure -> (``">="`` or ``"<="``, ratio) for ``leanstate bench``;
 - ``unavailable()`` (optional): why it cannot run here, or None.
 
+The reference engines, being textbooks, declare none of these: :data:`REFERENCE_DEVICES`
+says where they run, and ``auto`` ends every order with them.
+
 A module that fails to import (its optional dependency is missing or broken) is
 unavailable, with the error as the reason. Adding a backend is one file and one line
 here; ``backend_info()``, the differential tests, ``leanstate bench`` and the asv
@@ -45,6 +48,17 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("offload", "reference"): "leanstate.reference.wrappers",
     ("offload", "torch"): "leanstate.accelerated.torch_wrappers",
 }
+
+
+# The reference engines are textbooks and say nothing of the registry: what it needs to
+# know of them is said here (they run wherever torch runs their device; ``auto`` ends
+# every order with them; the bench reports them beside the peers, without targets).
+REFERENCE_DEVICES = {"kv_store": ("cpu",), "embedding": ("cpu",), "offload": ("cpu", "cuda")}
+
+
+def devices(component: str, backend: str, module: ModuleType) -> tuple[str, ...]:
+    """The device types ``backend``'s engine of ``component`` runs on."""
+    return REFERENCE_DEVICES[component] if backend == "reference" else module.DEVICES
 
 
 def components() -> list[str]:

@@ -102,13 +102,14 @@ class KVStore:
         if clock is not None and not callable(clock):
             raise TypeError(f"KVStore: clock must be a callable returning seconds, or None; got {clock!r}")
         name, module = _backends.resolve("kv_store", backend)
+        runs_on = _backends.devices("kv_store", name, module)
         try:
-            device = torch.device(module.DEVICES[0] if device is None else device)
+            device = torch.device(runs_on[0] if device is None else device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"KVStore: device={device!r} is not a torch device") from exc
-        if device.type not in module.DEVICES:
+        if device.type not in runs_on:
             raise ValueError(
-                f"KVStore: device={str(device)!r}: the {name} engine runs on {', '.join(module.DEVICES)}; "
+                f"KVStore: device={str(device)!r}: the {name} engine runs on {', '.join(runs_on)}; "
                 f"pass another device or backend"
             )
         if device.type == "cuda" and device.index is None:

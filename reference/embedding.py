@@ -32,9 +32,6 @@ import torch
 from leanstate.reference.kv_store import KVStoreEngine
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
-DEVICES = ("cpu",)
-AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
-BENCH_TARGETS: dict[str, tuple[str, float]] = {}
 
 
 def state_fields(optimizer: str, dim: int) -> dict[str, tuple[int, int]]:

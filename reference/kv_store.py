@@ -42,9 +42,6 @@ from leanstate.reference.row_format import (
 )
 
 ROWS_PER_CHUNK = 1024
-DEVICES = ("cpu",)
-AUTO_PRIORITY = {"cpu": 0, "cuda": 0}  # always available, always last
-BENCH_TARGETS: dict[str, tuple[str, float]] = {}  # reported beside the peers, no targets
 _USED = torch.iinfo(torch.int64).min  # bit 63 of the metadata word
 
 

@@ -34,10 +34,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from leanstate.reference.pinned_pool import HostBuffer, PinnedMemoryPool
 
-DEVICES = ("cpu", "cuda")
-AUTO_PRIORITY = {"cpu": 0, "cuda": 0}
-BENCH_TARGETS: dict[str, tuple[str, float]] = {}
-
 WRAPPED = "_checkpoint_wrapped_module"
 DEFAULT_MIN_OFFLOAD_BYTES = 2**16
 
