@@ -16,7 +16,9 @@ each id the newest link decides.
   deltas' merge is applied (upserts and deletes); into stores that hold rows every link
   is verified first and the merge of the whole chain upserted (a removal then leaves
   the store's own row of that id alone: the chain loads as its compaction would);
-- :func:`compact` writes the merge as one full checkpoint, byte for byte a full save;
+- :func:`compact` writes the merge as one full checkpoint, byte for byte a full save (a
+  version-2 chain: ``leanstate.sharded_checkpoint.compact_sharded``, at the head's world
+  size, through :func:`write_merge` per rank file);
 - :func:`save_delta` writes the rows a store changed since its change mark.
 """
 
@@ -35,6 +37,7 @@ import torch
 from leanstate._checkpoint_chunks import (
     ChunkFile,
     TableRead,
+    buckets_of,
     rows_per_chunk,
     write_store,
 )
@@ -262,18 +265,17 @@ def verify_chain(links: list[Link]) -> Iterator[Link]:
 
 
 def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
-    """Merge the chain at ``src`` into one full checkpoint at ``dst`` (see
-    ``leanstate.compact_checkpoint``)."""
+    """Merge the chain at ``src`` into one full checkpoint at ``dst`` of the chain's version
+    (see ``leanstate.compact_checkpoint``)."""
     links = read_chain(src, method)
-    if links[0].version == 2:
-        raise CheckpointError(
-            f"{method}: {src / MANIFEST} was saved across ranks (version 2); only version-1 chains "
-            "are compacted: load it with process_group and save a full checkpoint"
-        )
     dst = checked_target(dst, method)
     taken = {os.path.realpath(link.path) for link in links}
     if os.path.realpath(dst) in taken or any(os.path.realpath(dst).startswith(t + os.sep) for t in taken):
         raise ValueError(f"{method}: dst {dst} is a link of the chain being compacted (or inside one)")
+    if links[0].version == 2:  # across ranks: one file per rank of the head's world size
+        from leanstate.sharded_checkpoint import compact_sharded
+
+        return compact_sharded(links, dst, chunk_bytes=chunk_bytes, method=method)
     head = links[0]
     parts = {name: chain_parts(links, name, None) for name in head.manifest["tables"]}
     read_extra(head.path, head.manifest)  # checked as a load checks it
@@ -290,7 +292,7 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
             table = head.manifest["tables"][name]
             layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
             file = staging / f"{name}.rows"
-            chunks = _write_merge(file, layout, table_parts, chunk_bytes)
+            chunks = write_merge(file, layout, table_parts, chunk_bytes)
             manifest["tables"][name] = table_entry(layout, file, chunks)
         if extra_bytes is not None:
             manifest["extra"] = write_extra(staging, extra_bytes)
@@ -298,30 +300,62 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
     return dst
 
 
-def _write_merge(file: Path, layout: RowLayout, parts: list[LinkTable], chunk_bytes: int) -> list[dict]:
-    """The merge of ``parts`` written to ``file`` in chunks of a full save's size."""
+def write_merge(
+    file: Path,
+    layout: RowLayout,
+    parts: list[LinkTable],
+    chunk_bytes: int,
+    bucketing: tuple[int, int | None] | None = None,
+) -> list[dict]:
+    """The merge of ``parts`` written to ``file`` in chunks of a full save's size; with
+    ``bucketing`` (a version-2 rank file, the merge bucket-major), chunks cut as
+    ``chunk_spans`` cuts a full save's: never across a bucket, each entry naming its bucket."""
     per_chunk = rows_per_chunk(layout, chunk_bytes)
     buffers = [np.empty((per_chunk, layout.row_bytes), dtype=np.uint8) for _ in range(2)]
     sink = ChunkFile(file, pipelined=True)
-    filled, turn = 0, 0
+    filled, turn, bucket = 0, 0, None
+
+    def flush() -> None:
+        nonlocal filled, turn
+        # append waits for the write before it: the other buffer is free again
+        sink.append(
+            _as_rows(buffers[turn][:filled], layout), **({} if bucket is None else {"bucket": bucket})
+        )
+        filled, turn = 0, 1 - turn
+
     try:
         for pieces, _ in merged(parts):
             rows = pieces[0] if pieces else _NO_ROWS
-            at = 0
-            while at < len(rows):
-                take = min(per_chunk - filled, len(rows) - at)
-                buffers[turn][filled : filled + take] = rows[at : at + take]
-                filled, at = filled + take, at + take
-                if filled == per_chunk:
-                    # append waits for the write before it: the other buffer is free again
-                    sink.append(_as_rows(buffers[turn], layout))
-                    filled, turn = 0, 1 - turn
+            for start, end, run in _bucket_runs(rows, bucketing):
+                if filled and run != bucket:  # a chunk never spans two buckets
+                    flush()
+                bucket, at = run, start
+                while at < end:
+                    take = min(per_chunk - filled, end - at)
+                    buffers[turn][filled : filled + take] = rows[at : at + take]
+                    filled, at = filled + take, at + take
+                    if filled == per_chunk:
+                        flush()
         if filled:
-            sink.append(_as_rows(buffers[turn][:filled], layout))
+            flush()
         return sink.close()
     except BaseException:
         sink.abort()
         raise
+
+
+def _bucket_runs(
+    rows: np.ndarray, bucketing: tuple[int, int | None] | None
+) -> list[tuple[int, int, int | None]]:
+    """``[start, end)`` runs of ``rows`` (in saving order) within one bucket, each with its
+    bucket (all of them one run, bucket None, without ``bucketing``)."""
+    if not len(rows):
+        return []
+    if bucketing is None:
+        return [(0, len(rows), None)]
+    buckets = buckets_of(rows[:, :8].copy().view("<i8")[:, 0], bucketing)
+    cuts = [0, *(np.flatnonzero(buckets[1:] != buckets[:-1]) + 1).tolist(), len(rows)]
+    return [(start, end, int(buckets[start])) for start, end in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def _as_rows(data: np.ndarray, layout: RowLayout) -> torch.Tensor:

@@ -240,7 +240,9 @@ def compact_checkpoint(
     Every link is checked as a load checks it; ``dst`` is written atomically, as a save
     is, and holds exactly the bytes a full save (with the same ``chunk_bytes``) of stores
     holding the chain's rows would: for each id the newest link that names it decides.
-    The head's views and extra state are kept. Returns ``dst``.
+    The head's views and extra state are kept. A chain saved across ranks (version 2)
+    compacts here too, in one process, into a full version-2 checkpoint at the head's
+    world size: byte for byte that save (``spec/sharding.md``). Returns ``dst``.
 
     Example::
 

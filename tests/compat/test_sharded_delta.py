@@ -3,7 +3,8 @@ writes, deletes and evictions, saved as a full checkpoint and deltas at world si
 loads at W' (W' != W included) as the union of the saving ranks' stores, bit for bit.
 
 World 1 runs in this process (a gloo group of one); worlds 3 and 2 are spawned, in that
-order, each loading what the worlds before it saved. Damaged chains (a missing or
+order, each loading what the worlds before it saved. Each chain compacts into a full
+checkpoint of the union. Damaged chains (a missing or
 replaced base, a corrupt removed-ids file of one rank, a cycle) fail on every rank and
 change no store, empty or live.
 """
@@ -443,12 +444,23 @@ def test_a_version_1_base_is_refused(folder, tmp_path, group):
     assert not (tmp_path / "d").exists()
 
 
-def test_a_version_2_chain_is_not_compacted(folder, tmp_path):
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3x2"])
+def test_a_chain_compacts_to_a_full_checkpoint_of_its_union(runs, folder, tmp_path, group, name):
+    """At the head's world size (s3x2: links of 3 ranks and of 2, compacted at 2); loaded
+    at world 1 it is the union (byte identity: tests/compat/test_sharded_compaction.py)."""
     from leanstate import compact_checkpoint
 
-    with pytest.raises(CheckpointError, match="saved across ranks .*only version-1 chains are compacted"):
-        compact_checkpoint(folder / "s1" / HEAD, tmp_path / "full")
-    assert not (tmp_path / "full").exists()
+    out = compact_checkpoint(folder / name / HEAD, tmp_path / "full", chunk_bytes=CHUNK)
+    manifest = json.loads((out / "manifest.json").read_text())
+    head = json.loads((folder / name / HEAD / "manifest.json").read_text())
+    assert (manifest["format"], manifest["version"]) == ("leanstate-whole-row", 2)
+    assert manifest["world_size"] == head["world_size"] == len(manifest["tables"]["exact.weight"]["files"])
+    module = build()
+    load_checkpoint(out, module.checkpoint_tables(), process_group=group)
+    expected = torch.load(folder / name / "expected.pt", weights_only=True)
+    for table_name, table in module.checkpoint_tables().items():
+        assert torch.equal(rows_of(table.store)[0], expected[table_name][0]), table_name
+        assert torch.equal(rows_of(table.store)[1], expected[table_name][1]), table_name
 
 
 def test_inspect_shows_and_verifies_a_chain_saved_across_ranks(runs, folder, tmp_path, capsys):
