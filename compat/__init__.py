@@ -20,6 +20,8 @@ from leanstate._backends import BackendInfo, backend_info
 from leanstate._backends import register as register_backend
 from leanstate._backends import unregister as unregister_backend
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
+from leanstate.checkpoint.legacy import load_legacy_checkpoint, save_legacy_checkpoint
+from leanstate.checkpoint.sharded import last_load_stats
 from leanstate.embedding import (
     KeyedJaggedTensor,
     KeyedTensor,
@@ -28,7 +30,6 @@ from leanstate.embedding import (
     KVTableConfig,
 )
 from leanstate.kv_store import KVStore
-from leanstate.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.pinned_pool import PinnedMemoryPool
@@ -42,7 +43,6 @@ from leanstate.reference.wrappers import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from leanstate.sharded_checkpoint import last_load_stats
 from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 from leanstate.wrappers import offload_wrapper
 from leanstate.zero import ZeroRedundancyOptimizer

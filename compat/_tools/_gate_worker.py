@@ -10,6 +10,7 @@ missing rather than failing the worker. Protocol: after set-up, one JSON line on
 null); anything else ends it.
 """
 
+import importlib
 import json
 import os
 import shutil
@@ -74,10 +75,17 @@ def sharded_figures(folder: str, store) -> dict:
     """Version-2 save and load (one rank) and DCP save and load of the same rows."""
     import leanstate.dcp
 
-    try:
-        from leanstate._bucketed_table import BucketedTable
-    except ImportError:  # a baseline from before it moved out of the reference
-        from leanstate.reference.sharding import BucketedTable
+    # where it lives now, and where a baseline from before the moves had it
+    for place in (
+        "leanstate.checkpoint._bucketed_table",
+        "leanstate._bucketed_table",
+        "leanstate.reference.sharding",
+    ):
+        try:
+            BucketedTable = importlib.import_module(place).BucketedTable  # noqa: N806 - a class
+            break
+        except (ImportError, AttributeError):
+            continue
 
     group = one_rank_group()
     v2, dcp = os.path.join(folder, "v2"), os.path.join(folder, "dcp")

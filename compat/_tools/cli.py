@@ -41,7 +41,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from leanstate._checkpoint_files import replace_directory
+    from leanstate.checkpoint._files import replace_directory
     from leanstate.dcp import convert
 
     source, target = Path(args.source), Path(args.target)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from leanstate._bucketed_table import describe_bucketing
-from leanstate._checkpoint_files import read_manifest_and_digest
-from leanstate._checkpoint_format import DTYPES, MANIFEST, is_delta
 from leanstate.checkpoint import verify_checkpoint
+from leanstate.checkpoint._bucketed_table import describe_bucketing
+from leanstate.checkpoint._files import read_manifest_and_digest
+from leanstate.checkpoint._format import DTYPES, MANIFEST, is_delta
+from leanstate.checkpoint.sharded import verify_sharded
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
-from leanstate.sharded_checkpoint import verify_sharded
 
 
 def main(path: str) -> int:
@@ -99,7 +99,7 @@ def _sharded(path: str, manifest: dict) -> int:
 
 def _chain(path: str) -> int:
     """``inspect`` of a delta: every link of its chain, each verified."""
-    from leanstate._checkpoint_chain import read_chain, verify_chain
+    from leanstate.checkpoint._chain import read_chain, verify_chain
 
     try:
         links = read_chain(Path(path), "inspect")

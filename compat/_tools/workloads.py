@@ -26,7 +26,7 @@ import torch
 import leanstate
 from leanstate._tools.ranks import free_port, start_ranks
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
-from leanstate.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
+from leanstate.checkpoint.legacy import load_legacy_checkpoint, save_legacy_checkpoint
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -193,7 +193,7 @@ class CheckpointIO:
 _MEMORY_PROBE = """
 import ctypes, gc, json, sys, torch, leanstate
 from leanstate.checkpoint import load_checkpoint
-from leanstate.legacy_checkpoint import load_legacy_checkpoint
+from leanstate.checkpoint.legacy import load_legacy_checkpoint
 kind, path, rows, dim, backend, chunk = sys.argv[1:7]
 rows, dim, chunk = int(rows), int(dim), int(chunk)
 def status(field):

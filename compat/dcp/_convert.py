@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from leanstate._checkpoint_chunks import ChunkFile
-from leanstate._checkpoint_files import (
+from leanstate.checkpoint._chunks import ChunkFile
+from leanstate.checkpoint._files import (
     checked_target,
     publish,
     read_extra,
@@ -17,7 +17,7 @@ from leanstate._checkpoint_files import (
     staged,
     write_synced,
 )
-from leanstate._checkpoint_format import DTYPES, MANIFEST, table_entry
+from leanstate.checkpoint._format import DTYPES, MANIFEST, table_entry
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import DEFAULT_CHUNK_BYTES, INDEX_KEY, NativeTable
 from leanstate.dcp._transaction import load, save

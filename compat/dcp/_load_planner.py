@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from leanstate._bucketed_table import BucketedTable
-from leanstate._checkpoint_chunks import in_saving_order
-from leanstate._checkpoint_format import check_layout
+from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint._chunks import in_saving_order
+from leanstate.checkpoint._format import check_layout
 from leanstate.dcp._state import (
     CRC,
     FIRST_BUCKET,
@@ -85,7 +85,7 @@ class KVLoadPlanner(DefaultLoadPlanner):
     ``in_place`` (the stores are empty on every rank; :func:`load` decides): a table whose
     store offers ``rows_in_place()`` and whose planned chunks hold only this rank's rows
     is read straight into blocks its engine claims and adopted chunk by chunk, as the
-    whole-row load does (``leanstate._checkpoint_load``); :meth:`close` gives back the
+    whole-row load does (``leanstate.checkpoint._load``); :meth:`close` gives back the
     blocks a failed load did not adopt and releases the engine.
     """
 

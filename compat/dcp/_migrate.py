@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from leanstate._checkpoint_ranks import group_rank
+from leanstate.checkpoint._ranks import group_rank
 from leanstate.dcp import _transaction
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import Entry, split_state
@@ -40,7 +40,7 @@ def load(
     """``dcp.load`` into ``state_dict`` with :class:`KVLoadPlanner` and :class:`SafeFileSystemReader`,
     all or nothing for the KV tables on every rank; returns the planner's ``stats``.
 
-    The one load transaction of every format (``leanstate._checkpoint_load``): when every
+    The one load transaction of every format (``leanstate.checkpoint._load``): when every
     store is empty (on every rank) rows are applied as they are read (in place where the
     store offers it) and a failure anywhere empties them again; otherwise every rank first
     verifies all its chunks, the ranks agree, and only then does any rank apply, with

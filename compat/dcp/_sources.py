@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from leanstate._checkpoint_chunks import (
+from leanstate.checkpoint._chunks import (
     TableRead,
     chunk_spans,
     gather,

@@ -17,8 +17,8 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate._bucketed_table import BucketedTable
-from leanstate._checkpoint_format import DTYPES, layout_fields
+from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint._format import DTYPES, layout_fields
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout

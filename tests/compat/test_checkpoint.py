@@ -12,11 +12,11 @@ import crc32c
 import pytest
 import torch
 
-from leanstate._background import finish_removals
-from leanstate._checkpoint_files import read_manifest
 from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from leanstate.checkpoint._background import finish_removals
+from leanstate.checkpoint._files import read_manifest
+from leanstate.checkpoint.legacy import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.kv_store import KVStore
-from leanstate.legacy_checkpoint import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import header_words
@@ -393,7 +393,7 @@ MEMORY_PROBE = textwrap.dedent(
     import json, sys, torch
     from leanstate.kv_store import KVStore
     from leanstate.checkpoint import load_checkpoint
-    from leanstate.legacy_checkpoint import load_legacy_checkpoint
+    from leanstate.checkpoint.legacy import load_legacy_checkpoint
 
     kind, path, rows, dim = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
@@ -440,7 +440,7 @@ def test_a_layout_mismatch_names_the_optimizers(tmp_path):
 
 
 def test_bucketings_are_described_in_words():
-    from leanstate._bucketed_table import describe_bucketing
+    from leanstate.checkpoint._bucketed_table import describe_bucketing
 
     assert describe_bucketing(1024, None) == "1024 interleaved buckets (id % 1024, for hashed ids)"
     assert describe_bucketing(64, 98) == "64 buckets of 98 consecutive ids (id // 98)"

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leanstate
-from leanstate import _checkpoint_chunks
-from leanstate._checkpoint_chunks import TableRead, in_bucket, read_chunks
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
+from leanstate.checkpoint import _chunks as _checkpoint_chunks
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.checkpoint._chunks import TableRead, in_bucket, read_chunks
 from leanstate.reference import checkpoint as reference_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.sharding import bucket_of

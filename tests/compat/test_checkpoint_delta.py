@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from leanstate import _checkpoint_chain
 from leanstate._tools.ranks import forked
+from leanstate.checkpoint import _chain as _checkpoint_chain
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -410,7 +410,7 @@ def test_a_chain_longer_than_the_limit_is_refused(chain, monkeypatch):
 
 
 def test_a_reader_of_full_checkpoints_refuses_a_delta(chain):
-    from leanstate._checkpoint_files import read_manifest
+    from leanstate.checkpoint._files import read_manifest
 
     folder, _ = chain
     with pytest.raises(CheckpointError, match="a delta checkpoint.*compact_checkpoint"):

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from leanstate import _background, _checkpoint_files
-from leanstate._background import finish_removals
-from leanstate._checkpoint_files import read_manifest
 from leanstate._tools.cli import main as leanstate_main
 from leanstate._tools.ranks import forked
-from leanstate.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from leanstate.checkpoint import _background, load_checkpoint, save_checkpoint, verify_checkpoint
+from leanstate.checkpoint import _files as _checkpoint_files
+from leanstate.checkpoint._background import finish_removals
+from leanstate.checkpoint._files import read_manifest
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
 from tests.harness import FakeClock

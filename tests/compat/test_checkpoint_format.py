@@ -1,5 +1,5 @@
 """The whole-row format's schema as the checkpoint I/O checks it
-(``leanstate._checkpoint_format``): what a ``tables`` argument means, the documented
+(``leanstate.checkpoint._format``): what a ``tables`` argument means, the documented
 defaults, and the manifest rules, each where the round trips of ``test_checkpoint.py`` do
 not reach."""
 
@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from leanstate._bucketed_table import BucketedTable
-from leanstate._checkpoint_files import read_manifest
-from leanstate._checkpoint_format import is_count, is_crc, is_id
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
+from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint._files import read_manifest
+from leanstate.checkpoint._format import is_count, is_crc, is_id
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor

@@ -24,8 +24,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
-from leanstate._checkpoint_files import read_manifest
 from leanstate._tools.cli import main
+from leanstate.checkpoint._files import read_manifest
 
 
 def small_store(seed: int = 0) -> KVStore:

@@ -1,4 +1,4 @@
-"""The one load pipeline of every format (``leanstate._checkpoint_load``), held to the
+"""The one load pipeline of every format (``leanstate.checkpoint._load``), held to the
 textbook: the textbook's checkpoint (``leanstate.reference.checkpoint``) loads into the
 same rows, bit for bit, as version 1, as version 2 (resharded and saved on 1, 2 and 3
 gloo ranks, loaded back at another world size) and as DCP (``leanstate.dcp.convert``),
@@ -32,8 +32,8 @@ import torch.distributed as dist
 import leanstate
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore
-from leanstate._bucketed_table import BucketedTable
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
+from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.dcp._state import MAX_ID, MIN_ID, OFFSET
 from leanstate.reference import checkpoint as reference
 from leanstate.reference.sharding import bucket_owner

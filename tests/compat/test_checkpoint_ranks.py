@@ -1,4 +1,4 @@
-"""What version 2 and DCP need of ``torch.distributed`` (``leanstate._checkpoint_ranks``), on
+"""What version 2 and DCP need of ``torch.distributed`` (``leanstate.checkpoint._ranks``), on
 a subgroup of a larger world: the group's own ranks, its rank 0 and its members only, never
 the default group's."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from leanstate._checkpoint_ranks import all_true, broadcast, from_every_rank, group_rank, staged_by_rank_0
+from leanstate.checkpoint._ranks import all_true, broadcast, from_every_rank, group_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import CheckpointError
 from tests.harness import run_world
 

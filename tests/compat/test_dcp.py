@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore, KVTensor, save_checkpoint
-from leanstate._bucketed_table import BucketedTable
 from leanstate._tools.cli import main
+from leanstate.checkpoint._bucketed_table import BucketedTable
 from tests.compat.sharded_models import (
     assert_rows_match,
     build,

@@ -18,7 +18,7 @@ import torch
 
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVStore
-from leanstate._bucketed_table import BucketedTable
+from leanstate.checkpoint._bucketed_table import BucketedTable
 from tests.harness import rewrite_dcp_item
 
 CHUNK_ROWS = 40

@@ -13,7 +13,7 @@ from torch import nn
 
 import leanstate.dcp as kvdcp
 from leanstate import CheckpointError, KVEmbeddingBag, KVStore
-from leanstate._bucketed_table import BucketedTable
+from leanstate.checkpoint._bucketed_table import BucketedTable
 
 N, D = 30, 4
 

@@ -1,4 +1,4 @@
-"""Version 2, the checkpoint saved across ranks (``leanstate.sharded_checkpoint``), on its
+"""Version 2, the checkpoint saved across ranks (``leanstate.checkpoint.sharded``), on its
 own: bucket-major files whose every chunk holds one bucket, loaded at any world size.
 Here one gloo rank in this process saves; the loads run with ``process_group=None``
 (one process owns every bucket). The scenarios at 2-4 ranks are in
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
-from leanstate._bucketed_table import BucketedTable
-from leanstate.sharded_checkpoint import last_load_stats, load_sharded
+from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint.sharded import last_load_stats, load_sharded
 
 BUCKETS, BUCKET_SIZE = 8, 100  # ids 0..799: bucket = id // 100
 

@@ -489,7 +489,7 @@ def test_a_row_deleted_while_saving_is_a_removed_id(tmp_path, group):
     """A written id whose row is gone by the time the save reads it is not a row of the
     delta but one of its removed ids, in (bucket, id) order with the others."""
     from leanstate import KVStore
-    from leanstate._bucketed_table import BucketedTable
+    from leanstate.checkpoint._bucketed_table import BucketedTable
 
     class DeletingStore(KVStore):
         victim = None

@@ -18,7 +18,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate._bucketed_table import BucketedTable
+from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor

@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leanstate import _checkpoint_files as files
-from leanstate._bucketed_table import BucketedTable, describe_bucketing
-from leanstate._checkpoint_chunks import (
+from leanstate.checkpoint import _files as files
+from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
+from leanstate.checkpoint._chunks import (
     TableRead,
     bucket_major,
     buckets_of,
     read_chunks,
     write_store,
 )
-from leanstate._checkpoint_files import read_manifest, read_manifest_and_digest
-from leanstate._checkpoint_format import (
+from leanstate.checkpoint._files import read_manifest, read_manifest_and_digest
+from leanstate.checkpoint._format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
     DELTA_FORMAT,
@@ -60,12 +60,12 @@ from leanstate._checkpoint_format import (
     layout_fields,
     targets_of,
 )
-from leanstate._checkpoint_load import (
+from leanstate.checkpoint._load import (
     apply_tables,
     load_all_or_nothing,
     verify_table,
 )
-from leanstate._checkpoint_ranks import broadcast, from_every_rank, staged_by_rank_0
+from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
 from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import RowLayout
@@ -76,14 +76,14 @@ FORMAT_VERSION = 2
 
 def _chain():
     """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
-    from leanstate import _checkpoint_chain
+    from leanstate.checkpoint import _chain as _checkpoint_chain
 
     return _checkpoint_chain
 
 
 def _merge():
     """The merge module, imported on first use (numpy, as :func:`_chain`)."""
-    from leanstate import _checkpoint_merge
+    from leanstate.checkpoint import _merge as _checkpoint_merge
 
     return _checkpoint_merge
 

@@ -8,7 +8,7 @@ cleans up; regular files only, sizes checked before allocation; a pipelined writ
 (the gather of the next chunk overlaps the write of this one); a one-pass load into
 empty stores (undone on failure) and a verify-first load into live ones with Ctrl-C
 deferred while rows are applied; ``progress`` callbacks; and version 2 (sharded, with
-``process_group=``, ``leanstate.sharded_checkpoint``).
+``process_group=``, ``leanstate.checkpoint.sharded``).
 
 Every store backend is written and read through the stores' public methods (``keys``,
 ``get_rows(..., out=)``, ``set_rows``, ``reserve``), so a checkpoint saved from a store
@@ -23,8 +23,8 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from leanstate._checkpoint_chunks import TableRead, read_chunks, write_store
-from leanstate._checkpoint_files import (
+from leanstate.checkpoint._chunks import TableRead, read_chunks, write_store
+from leanstate.checkpoint._files import (
     checked_target,
     extra_bytes_of,
     publish,
@@ -34,7 +34,7 @@ from leanstate._checkpoint_files import (
     staged,
     write_extra,
 )
-from leanstate._checkpoint_format import (
+from leanstate.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     Progress,
     Target,
@@ -45,17 +45,17 @@ from leanstate._checkpoint_format import (
     table_entry,
     targets_of,
 )
+from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
 from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
-from leanstate.sharded_checkpoint import load_into_plain, load_sharded, save_sharded
 
 
-def _chain():
+def _delta_chains():
     """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
-    from leanstate import _checkpoint_chain
+    from leanstate.checkpoint import _chain
 
-    return _checkpoint_chain
+    return _chain
 
 
 def _backend_argument(backend: str | None, method: str) -> None:
@@ -120,7 +120,7 @@ def save_checkpoint(
     views = {t.name: _view_entry(t, whole, method) for t in targets if t.name not in whole}
     extra_bytes = None if extra is None else extra_bytes_of(extra, method)
     path = checked_target(path, method)
-    chain = _chain()
+    chain = _delta_chains()
     if base is not None:
         return chain.save_delta(
             path,
@@ -227,7 +227,7 @@ def load_checkpoint(
                 "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
             )
         return load_into_plain(path, manifest, digest, targets, chunk_bytes=chunk_bytes)
-    chain = _chain()
+    chain = _delta_chains()
     links = chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
     return chain.load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
 
@@ -252,7 +252,7 @@ def compact_checkpoint(
     if not isinstance(src, str | os.PathLike):
         raise TypeError(f"{method}: src must be a str or os.PathLike; got {type(src).__name__}")
     check_chunk_bytes(method, chunk_bytes)
-    return _chain().compact(Path(src), dst, chunk_bytes=chunk_bytes, method=method)
+    return _delta_chains().compact(Path(src), dst, chunk_bytes=chunk_bytes, method=method)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leanstate._checkpoint_files import staged
+from leanstate.checkpoint._files import staged
 from leanstate.reference.checkpoint import CheckpointError
 
 

@@ -20,9 +20,9 @@ import crc32c
 import numpy as np
 import torch
 
-from leanstate._checkpoint_chunks import TableRead, buckets_of, open_data_file, read_chunks
-from leanstate._checkpoint_files import write_synced
-from leanstate._checkpoint_format import SLICE_BYTES, CheckpointError
+from leanstate.checkpoint._chunks import TableRead, buckets_of, open_data_file, read_chunks
+from leanstate.checkpoint._files import write_synced
+from leanstate.checkpoint._format import SLICE_BYTES, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.row_format import header_words
 

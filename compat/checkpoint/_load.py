@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leanstate._background import in_parallel
-from leanstate._checkpoint_chunks import TableRead, read_chunks, read_in_place
-from leanstate._checkpoint_files import interrupts_deferred
-from leanstate._checkpoint_format import SLICE_BYTES
-from leanstate._checkpoint_ranks import from_every_rank
+from leanstate.checkpoint._background import in_parallel
+from leanstate.checkpoint._chunks import TableRead, read_chunks, read_in_place
+from leanstate.checkpoint._files import interrupts_deferred
+from leanstate.checkpoint._format import SLICE_BYTES
+from leanstate.checkpoint._ranks import from_every_rank
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import header_words

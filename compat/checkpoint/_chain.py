@@ -3,10 +3,10 @@ written and the ids removed since their base) read as one streaming merge.
 
 The format is ``spec/checkpoint_format.md``, "Delta checkpoints" (version 1, one
 process; version 2 across ranks is ``spec/sharding.md``, loaded by
-``leanstate.sharded_checkpoint`` over the same chain and merge); this is its hardened
+``leanstate.checkpoint.sharded`` over the same chain and merge); this is its hardened
 form, over the same checkpoint core as a full checkpoint: the same manifest read, chunk
 checks, load transaction and staged publish. Every file of every link is in saving
-order, so the links load as one streaming merge (``leanstate._checkpoint_merge``): for
+order, so the links load as one streaming merge (``leanstate.checkpoint._merge``): for
 each id the newest link decides.
 
 - :func:`read_chain`: every link from the head to its full checkpoint, each base found
@@ -17,7 +17,7 @@ each id the newest link decides.
   is verified first and the merge of the whole chain upserted (a removal then leaves
   the store's own row of that id alone: the chain loads as its compaction would);
 - :func:`compact` writes the merge as one full checkpoint, byte for byte a full save (a
-  version-2 chain: ``leanstate.sharded_checkpoint.compact_sharded``, at the head's world
+  version-2 chain: ``leanstate.checkpoint.sharded.compact_sharded``, at the head's world
   size, through :func:`write_merge` per rank file);
 - :func:`save_delta` writes the rows a store changed since its change mark.
 """
@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from leanstate._checkpoint_chunks import (
+from leanstate.checkpoint._chunks import (
     ChunkFile,
     TableRead,
     buckets_of,
     rows_per_chunk,
     write_store,
 )
-from leanstate._checkpoint_files import (
+from leanstate.checkpoint._files import (
     checked_target,
     publish,
     read_extra,
@@ -50,7 +50,7 @@ from leanstate._checkpoint_files import (
     staged,
     write_extra,
 )
-from leanstate._checkpoint_format import (
+from leanstate.checkpoint._format import (
     DELTA_FORMAT,
     DTYPES,
     FORMAT_NAME,
@@ -67,8 +67,8 @@ from leanstate._checkpoint_format import (
     is_delta,
     table_entry,
 )
-from leanstate._checkpoint_load import apply_tables, load_all_or_nothing
-from leanstate._checkpoint_merge import LinkTable, apply_merge, merged, write_removed
+from leanstate.checkpoint._load import apply_tables, load_all_or_nothing
+from leanstate.checkpoint._merge import LinkTable, apply_merge, merged, write_removed
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
 
@@ -273,7 +273,7 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
     if os.path.realpath(dst) in taken or any(os.path.realpath(dst).startswith(t + os.sep) for t in taken):
         raise ValueError(f"{method}: dst {dst} is a link of the chain being compacted (or inside one)")
     if links[0].version == 2:  # across ranks: one file per rank of the head's world size
-        from leanstate.sharded_checkpoint import compact_sharded
+        from leanstate.checkpoint.sharded import compact_sharded
 
         return compact_sharded(links, dst, chunk_bytes=chunk_bytes, method=method)
     head = links[0]

@@ -32,8 +32,8 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate._background import finish_removals, remove_later
-from leanstate._checkpoint_format import (
+from leanstate.checkpoint._background import finish_removals, remove_later
+from leanstate.checkpoint._format import (
     EXTRA_FILE,
     MANIFEST,
     checked_problem,

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leanstate._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
-from leanstate._checkpoint_files import open_regular
-from leanstate._checkpoint_format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
+from leanstate.checkpoint._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
+from leanstate.checkpoint._files import open_regular
+from leanstate.checkpoint._format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words

@@ -14,7 +14,7 @@ starts comes from here.
 
 Every helper waits for its threads before it returns or raises, also on Ctrl-C, so no
 background write outlives the call that owns its memory. What the in-place load's
-threads may touch is written in ``leanstate._checkpoint_load``.
+threads may touch is written in ``leanstate.checkpoint._load``.
 """
 
 from __future__ import annotations
