@@ -32,8 +32,8 @@ from leanstate import (
     ZeroRedundancyOptimizer,
     load_checkpoint,
     save_checkpoint,
-    sharded_checkpoint,
 )
+from leanstate.checkpoint import sharded as sharded_checkpoint
 from tests.compat.sharded_models import (
     KEYS,
     G,
