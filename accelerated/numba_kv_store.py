@@ -12,7 +12,8 @@ hash constants with the reference. The store keeps
   ``splitmix64(id)``, tombstones for deletes, rebuilt when live + dead slots pass half);
 - one flat pool of rows in an anonymous memory map that grows in place (``mremap``:
   no copy, and pages that were never written cost nothing), in steps of 1024 rows
-  (on huge pages after a bulk ``reserve``);
+  (on huge pages after a bulk ``reserve``): ``_row_pool.MappedRows``, as ``RowPool``'s
+  on the CPU;
 - a free list of released blocks, reused last in first out, as the reference does;
 - a readers-writer lock: reads run concurrently (the kernels release the GIL), writes
   are exclusive. One call already spreads over every core, so the shards of the
@@ -36,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import mmap
 import threading
 from contextlib import contextmanager
 
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from leanstate.accelerated import _host_buffers
-from leanstate.accelerated._change_log import ChangeLog, MappedArray
+from leanstate.accelerated._change_log import ChangeLog
 from leanstate.accelerated._numba_kv_kernels import (
     EMPTY,
     U64,
@@ -69,10 +69,9 @@ from leanstate.accelerated._numba_kv_kernels import (
     written_since,
     zero_rows,
 )
-from leanstate.accelerated._pages import populate
+from leanstate.accelerated._row_pool import POOL_STEP_ROWS, MappedRows
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
-POOL_STEP_ROWS = 1024
 _HUGE_PAGE_RESERVE_BYTES = 64 * 2**20
 _HEADROOM_DIVISOR = 12  # rows faulted in ahead of need: at most 1/12 of the pool (memory <= 1.1x rows)
 _MIN_SLOTS = 16
@@ -204,21 +203,15 @@ class KVStoreEngine:
         self.free = np.empty(_MIN_SLOTS, dtype=np.int32)
         self.free_top = 0
         self.handed_out = 0
-        self._map = mmap.mmap(
-            -1, POOL_STEP_ROWS * layout.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
-        self._prefault: threading.Thread | None = None
-        self._faulted_to = 0  # pool bytes below this were handed out or faulted in ahead
-        # change tracking: each block's epoch of last write (int32: 4 bytes a row), removals
+        # the rows, and for change tracking each block's epoch of last write (int32: 4 bytes a row)
+        self._mapped = MappedRows(layout, torch.int32)
+        self._faulted_to = 0  # pool rows below this were handed out or faulted in ahead
         self.tracking = True
-        self._log = ChangeLog()
-        self._stamps = MappedArray(POOL_STEP_ROWS, torch.int32)
+        self._log = ChangeLog()  # the removals by epoch
         self._view_pool()
 
     def _view_pool(self) -> None:
-        rows = len(self._map) // self.layout.row_bytes
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pool = raw.view(self.layout.dtype).view(rows, self.layout.width)  # the rows, typed
+        self.pool = self._mapped.rows  # the rows, typed
         self.words = as_words(self.pool)
         self.elems = as_elements(self.pool)
 
@@ -229,7 +222,7 @@ class KVStoreEngine:
         """The mapped pool, the hash table and the free list."""
         with self.lock.reading():
             tables = self.table_keys.nbytes + self.table_blocks.nbytes + self.free.nbytes
-            return len(self._map) + tables + self._stamps.nbytes() + self._log.nbytes()
+            return self._mapped.nbytes() + tables + self._log.nbytes()
 
     # -- capacity (under the write lock) -------------------------------------------
 
@@ -247,34 +240,23 @@ class KVStoreEngine:
                 capacity *= 2
             self.table_keys, self.table_blocks = rebuild(self.table_keys, self.table_blocks, capacity)
             self.dead = 0
-        row_bytes = self.layout.row_bytes
         rows_needed = self.handed_out + max(0, new - self.free_top)
-        rows_mapped = len(self._map) // row_bytes
+        rows_mapped = self._mapped.capacity
         headroom = min(new, rows_mapped // _HEADROOM_DIVISOR) if ahead else 0
         if headroom < POOL_STEP_ROWS:  # a small pool faults in cheaply: grow it by need only
             headroom = 0
         if rows_needed > rows_mapped:
-            rows = -(-(rows_needed + headroom) // POOL_STEP_ROWS) * POOL_STEP_ROWS
-            self._finish_prefault()  # no thread may touch the pages a resize can move
             del self.pool, self.words, self.elems  # no view may outlive a resize
-            self._map.resize(rows * row_bytes)
-            self._stamps.resize(rows)
+            self._mapped.grow(rows_needed + headroom)
             self._view_pool()
             if headroom:
-                first = max(self._faulted_to, rows_needed * row_bytes)
-                self._prefault = threading.Thread(target=populate, args=(self._map, first), daemon=True)
-                self._prefault.start()
-                self._faulted_to = len(self._map)
-
-    def _finish_prefault(self) -> None:
-        if self._prefault is not None:
-            self._prefault.join()
-            self._prefault = None
+                self._mapped.populate_behind(max(self._faulted_to, rows_needed))
+                self._faulted_to = self._mapped.capacity
 
     def _huge_pages_for(self, rows: int) -> None:
         """Ask for huge pages when ``rows`` is a bulk reservation (64 MiB or more)."""
-        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES:
+            self._mapped.use_huge_pages()
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows now: one table rebuild, and the pool rows mapped and
@@ -287,10 +269,10 @@ class KVStoreEngine:
         with self.lock.writing():
             self._reserve(max(0, rows), ahead=False)
             self._huge_pages_for(rows)
-            self._finish_prefault()
-            first = self.handed_out * self.layout.row_bytes
-            last = first + max(0, rows - self.free_top) * self.layout.row_bytes
-            populate(self._map, first, last, touch=True)
+            self._mapped.finish_populating()
+            first = self.handed_out
+            last = first + max(0, rows - self.free_top)
+            self._mapped.populate(first, last, touch=True)
             self._faulted_to = max(self._faulted_to, last)
 
     # -- rows read in place (a checkpoint load; call with the write lock held) --------
@@ -314,7 +296,7 @@ class KVStoreEngine:
         self._free_room(count)
         added, reused, self.free_top = adopt(
             self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top,
-            self._stamps.tensor.numpy(), self._epoch(),
+            self._mapped.stamps.numpy(), self._epoch(),
         )  # fmt: skip
         if added < 0:
             bad = -1 - added
@@ -327,8 +309,7 @@ class KVStoreEngine:
     def fault_in(self, first: int, count: int) -> None:
         """Fault in the pages of blocks ``[first, first + count)`` (no byte changes: safe
         beside a thread writing them)."""
-        row_bytes = self.layout.row_bytes
-        populate(self._map, first * row_bytes, (first + count) * row_bytes)
+        self._mapped.populate(first, first + count)
 
     def abandon(self, first: int, count: int) -> None:
         """Give back claimed blocks ``[first, first + count)`` never adopted: zeroed, freed."""
@@ -389,7 +370,7 @@ class KVStoreEngine:
         blocks, fresh = self._locate_or_insert(ids)
         self._fill_initial(ids, blocks, fresh)
         if self.tracking:  # the caller writes every row it locates so (the embedding updates)
-            stamp_blocks(self._stamps.tensor.numpy(), blocks, self._log.epoch)
+            stamp_blocks(self._mapped.stamps.numpy(), blocks, self._log.epoch)
         return torch.from_numpy(blocks)
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -497,7 +478,7 @@ class KVStoreEngine:
             mark_last_writers(self.words, blocks, winner)
             write_columns(
                 self.elems, self.words, blocks, winner, as_elements(values), start, now,
-                self._stamps.tensor.numpy(), self._epoch(),
+                self._mapped.stamps.numpy(), self._epoch(),
             )  # fmt: skip
 
     def write_rows(self, rows: torch.Tensor) -> None:
@@ -507,7 +488,7 @@ class KVStoreEngine:
             blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
             mark_last_rows(self.words, blocks, winner)
-            write_rows(self.words, blocks, winner, words, self._stamps.tensor.numpy(), self._epoch())
+            write_rows(self.words, blocks, winner, words, self._mapped.stamps.numpy(), self._epoch())
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
@@ -543,7 +524,7 @@ class KVStoreEngine:
         was stamped later, and absent ids removed later. One snapshot under the lock."""
         with self.lock.reading():
             written = np.sort(
-                written_since(self.table_keys, self.table_blocks, self._stamps.tensor.numpy(), mark)
+                written_since(self.table_keys, self.table_blocks, self._mapped.stamps.numpy(), mark)
             )
             removed = self._log.removed_since(mark, torch.device("cpu"))
             absent = lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1

@@ -137,8 +137,8 @@ def test_rows_faulted_in_ahead_are_bounded_and_change_no_result():
     keys = reference.keys()
     assert torch.equal(numba.keys(), keys) and torch.equal(numba.get_rows(keys), reference.get_rows(keys))
     engine = numba.engine
-    engine._finish_prefault()
-    mapped_rows = len(engine._map) // numba.layout.row_bytes
+    engine._mapped.finish_populating()
+    mapped_rows = engine._mapped.capacity
     # at most 1/12 of the pool beyond need (and the rounding to a step of 1024 rows)
     assert engine.handed_out < mapped_rows <= engine.handed_out * (1 + 1 / 12) + 1024
 
