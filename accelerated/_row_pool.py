@@ -101,9 +101,10 @@ class RowPool:
     engines each keep their rows in one).
 
     On the CPU the rows and stamps live in a ``MappedRows`` (the numba engine's pool too),
-    growing in place in 1024-row steps. On a GPU the tensor grows by an eighth, in whole 1024-row steps, copying: at
-    most an eighth of the pool sits unused (the memory target is 1.1x the row bytes),
-    and each row is copied about eight times at most as the pool grows.
+    growing in place in 1024-row steps. On a GPU the tensor grows by an eighth, in whole
+    1024-row steps, copying: at most an eighth of the pool sits unused (the memory target
+    is 1.1x the row bytes), and each row is copied about eight times at most as the pool
+    grows.
 
     ``stamps`` (int64, one per block and one more at the end, where ``mark`` sends the
     negative blocks) holds the epoch of each block's last write, for change tracking; it

@@ -45,28 +45,9 @@ import numpy as np
 import torch
 
 from leanstate._host_reads import host_read
+from leanstate.accelerated import _numba_cuda_kv_kernels as kernels
 from leanstate.accelerated._change_log import ChangeLog
-from leanstate.accelerated._numba_cuda_kv_kernels import (
-    EMPTY,
-    KINDS,
-    MIN_SLOTS,
-    SIMULATED,
-    U64,
-    k_doomed,
-    k_gather,
-    k_initial_rows,
-    k_live,
-    k_lookup,
-    k_mark,
-    k_metadata,
-    k_place,
-    k_put,
-    k_remove,
-    k_stamp,
-    k_write_columns,
-    k_write_rows,
-    launch,
-)
+from leanstate.accelerated._numba_cuda_kv_kernels import SIMULATED, launch
 from leanstate.accelerated._numba_cuda_kv_kernels import unavailable as unavailable  # the registry asks here
 from leanstate.accelerated._row_pool import RowPool, last_occurrences
 from leanstate.reference.hashing import SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
@@ -109,8 +90,9 @@ class KVStoreEngine:
         self.layout, self.num_shards, self.init_range, self.seed = layout, num_shards, init_range, seed
         self.device = torch.device(device or DEVICES[0])
         self.lock = threading.RLock()
-        self._table_keys = torch.full((MIN_SLOTS,), EMPTY, dtype=torch.int64, device=self.device)
-        self._table_blocks = torch.full((MIN_SLOTS,), -1, dtype=torch.int64, device=self.device)
+        slots = kernels.MIN_SLOTS
+        self._table_keys = torch.full((slots,), kernels.EMPTY, dtype=torch.int64, device=self.device)
+        self._table_blocks = torch.full((slots,), -1, dtype=torch.int64, device=self.device)
         self._tombstones = 0  # an upper bound: a placement may reuse one without telling the host
         self._rows = 0
         self._pool = RowPool(layout, self.device)
@@ -121,7 +103,7 @@ class KVStoreEngine:
             np.float32(np.float32(high) - np.float32(low)),
             np.float32(low),
         )
-        self._initial = (layout.weight_offset, layout.dim, *self.initial_scalars, KINDS[layout.dtype])
+        self._initial = (layout.weight_offset, layout.dim, *self.initial_scalars, kernels.KINDS[layout.dtype])
         self.tracking = True  # each block's epoch of last write in the pool's stamps; removals logged
         self._log = ChangeLog()
 
@@ -143,7 +125,7 @@ class KVStoreEngine:
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(len(ids), dtype=torch.int64, device=self.device)
-        launch(k_lookup, len(ids), self._table_keys, self._table_blocks, ids, out)
+        launch(kernels.k_lookup, len(ids), self._table_keys, self._table_blocks, ids, out)
         return out
 
     def _fit_table(self, rows: int) -> None:
@@ -154,12 +136,12 @@ class KVStoreEngine:
         while 2 * rows > capacity:
             capacity *= 2
         keys, blocks = self._live()
-        self._table_keys = torch.full((capacity,), EMPTY, dtype=torch.int64, device=self.device)
+        self._table_keys = torch.full((capacity,), kernels.EMPTY, dtype=torch.int64, device=self.device)
         self._table_blocks = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._tombstones = 0
         missing = torch.full_like(keys, -1)
         rank = torch.arange(len(keys), device=self.device)
-        launch(k_place, len(keys), self._table_keys, self._table_blocks, keys, missing, rank, blocks,
+        launch(kernels.k_place, len(keys), self._table_keys, self._table_blocks, keys, missing, rank, blocks,
                torch.empty_like(blocks))  # fmt: skip
 
     def _live(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +149,9 @@ class KVStoreEngine:
         keys = torch.empty(self._rows, dtype=torch.int64, device=self.device)
         blocks = torch.empty(self._rows, dtype=torch.int64, device=self.device)
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        launch(k_live, len(self._table_keys), self._table_keys, self._table_blocks, keys, blocks, count)
+        launch(
+            kernels.k_live, len(self._table_keys), self._table_keys, self._table_blocks, keys, blocks, count
+        )
         return keys, blocks
 
     def _sorted_live(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +163,7 @@ class KVStoreEngine:
         """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
         rows = torch.zeros(len(ids), self.layout.width, dtype=self.layout.dtype, device=self.device)
         where = torch.arange(len(ids), device=self.device)
-        launch(k_initial_rows, rows.numel(), elements(rows), rows.view(torch.int64), where, ids,
+        launch(kernels.k_initial_rows, rows.numel(), elements(rows), rows.view(torch.int64), where, ids,
                torch.full_like(where, -1), *self._initial)  # fmt: skip
         rows.view(torch.int64)[:, 1] = 0
         return rows
@@ -209,7 +193,7 @@ class KVStoreEngine:
             return found
         blocks = self._insert_missing(ids, found)
         if self.tracking:
-            launch(k_mark, len(ids), self._pool.stamps, blocks, self._log.epoch)
+            launch(kernels.k_mark, len(ids), self._pool.stamps, blocks, self._log.epoch)
         return blocks
 
     def _insert_missing(self, ids: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
@@ -222,23 +206,25 @@ class KVStoreEngine:
         self._fit_table(self._rows + new)
         fresh = self._pool.allocate(new)
         blocks = torch.empty_like(found)
-        launch(k_place, len(ids), self._table_keys, self._table_blocks, ids, found, rank, fresh, blocks)
+        launch(
+            kernels.k_place, len(ids), self._table_keys, self._table_blocks, ids, found, rank, fresh, blocks
+        )
         self._rows += new
         rows = self.rows
-        launch(k_initial_rows, len(ids) * self.layout.width, elements(rows), rows.view(torch.int64), blocks,
-               ids, found, *self._initial)  # fmt: skip
+        launch(kernels.k_initial_rows, len(ids) * self.layout.width, elements(rows), rows.view(torch.int64),
+               blocks, ids, found, *self._initial)  # fmt: skip
         return blocks
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Whole rows (a copy) of present blocks."""
         out = torch.empty(len(blocks), self.layout.width, dtype=self.layout.dtype, device=self.device)
-        launch(k_gather, out.numel(), elements(self.rows), blocks, blocks, 0, False, *self._initial,
+        launch(kernels.k_gather, out.numel(), elements(self.rows), blocks, blocks, 0, False, *self._initial,
                elements(out))  # fmt: skip
         return out
 
     def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole rows written at present, distinct blocks."""
-        launch(k_put, rows.numel(), elements(self.rows), blocks, elements(rows.contiguous()))
+        launch(kernels.k_put, rows.numel(), elements(self.rows), blocks, elements(rows.contiguous()))
 
     # -- reads -----------------------------------------------------------------------
 
@@ -254,7 +240,7 @@ class KVStoreEngine:
         )
         with self.lock:
             blocks = self._lookup(ids)
-            launch(k_gather, len(ids) * width, elements(self.rows), blocks, ids, start, initial,
+            launch(kernels.k_gather, len(ids) * width, elements(self.rows), blocks, ids, start, initial,
                    *self._initial, elements(result))  # fmt: skip
         return result
 
@@ -267,7 +253,7 @@ class KVStoreEngine:
         """Eviction metadata word of each id (0 when missing)."""
         out = torch.empty(len(ids), dtype=torch.int64, device=self.device)
         with self.lock:
-            launch(k_metadata, len(ids), self.rows.view(torch.int64), self._lookup(ids), out)
+            launch(kernels.k_metadata, len(ids), self.rows.view(torch.int64), self._lookup(ids), out)
         return out
 
     def keys(self) -> torch.Tensor:
@@ -283,9 +269,9 @@ class KVStoreEngine:
         unique, last, occurrences, _ = host_read(last_occurrences, ids)
         with self.lock:
             blocks = self.locate(unique, insert=True)  # negative ids stay -2 and are skipped
-            launch(k_write_columns, len(unique) * values.shape[1], elements(self.rows), blocks, last,
-                   elements(values), start)  # fmt: skip
-            launch(k_stamp, len(unique), self.rows.view(torch.int64), blocks, occurrences, now)
+            launch(kernels.k_write_columns, len(unique) * values.shape[1], elements(self.rows), blocks,
+                   last, elements(values), start)  # fmt: skip
+            launch(kernels.k_stamp, len(unique), self.rows.view(torch.int64), blocks, occurrences, now)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """``set_rows``: keys from the headers, timestamp and count kept, ``used`` set; last row wins."""
@@ -293,17 +279,16 @@ class KVStoreEngine:
         unique, last, _, _ = host_read(last_occurrences, words[:, 0].contiguous())
         with self.lock:
             blocks = self.locate(unique, insert=True)
-            launch(
-                k_write_rows, len(unique) * words.shape[1], self.rows.view(torch.int64), blocks, last, words
-            )
+            launch(kernels.k_write_rows, len(unique) * words.shape[1], self.rows.view(torch.int64), blocks,
+                   last, words)  # fmt: skip
 
     def _remove(self, keys: torch.Tensor) -> int:
         """Delete distinct non-negative keys: zero and free their blocks; how many were present."""
         freed = torch.empty(len(keys), dtype=torch.int64, device=self.device)
         gone = torch.empty(len(keys), dtype=torch.int64, device=self.device)
         removed = torch.zeros(1, dtype=torch.int64, device=self.device)
-        launch(k_remove, len(keys), self._table_keys, self._table_blocks, self.rows.view(torch.int64), keys,
-               freed, gone, removed)  # fmt: skip
+        launch(kernels.k_remove, len(keys), self._table_keys, self._table_blocks, self.rows.view(torch.int64),
+               keys, freed, gone, removed)  # fmt: skip
         count = host_read(int, removed[0])
         if self.tracking:
             self._log.record(gone[:count].clone())
@@ -342,7 +327,7 @@ class KVStoreEngine:
                 norms = torch.zeros(len(keys), device=self.device)
             doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
             launch(
-                k_doomed, len(keys), words, blocks, -1 if min_count is None else min_count,
+                kernels.k_doomed, len(keys), words, blocks, -1 if min_count is None else min_count,
                 -1 if max_age_s is None else max_age_s, now, norms,
                 np.float32(-1.0 if min_l2_norm is None else min_l2_norm), doomed,
             )  # fmt: skip
@@ -388,4 +373,4 @@ def _host_splitmix64(seed: int) -> np.uint64:
     z = (seed + SPLITMIX_GOLDEN) & mask  # seed & mask: a negative seed wraps as uint64
     z = ((z ^ (z >> 30)) * SPLITMIX_MIX1) & mask
     z = ((z ^ (z >> 27)) * SPLITMIX_MIX2) & mask
-    return U64(z ^ (z >> 31))
+    return kernels.U64(z ^ (z >> 31))

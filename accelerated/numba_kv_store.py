@@ -45,30 +45,8 @@ import numpy as np
 import torch
 
 from leanstate.accelerated import _host_buffers
+from leanstate.accelerated import _numba_kv_kernels as kernels
 from leanstate.accelerated._change_log import ChangeLog
-from leanstate.accelerated._numba_kv_kernels import (
-    EMPTY,
-    U64,
-    adopt,
-    as_elements,
-    as_words,
-    gather_metadata,
-    init_fresh,
-    initial_weights,
-    insert_missing,
-    live,
-    lookup,
-    lookup_gather,
-    mark_last_rows,
-    mark_last_writers,
-    rebuild,
-    remove,
-    stamp_blocks,
-    write_columns,
-    write_rows,
-    written_since,
-    zero_rows,
-)
 from leanstate.accelerated._row_pool import POOL_STEP_ROWS, MappedRows
 from leanstate.reference.row_format import COUNT_MAX, RowLayout
 
@@ -196,7 +174,7 @@ class KVStoreEngine:
         self.seed = seed
         self.lock = _ReadersWriterLock()
         self._words_per_row = layout.row_bytes // 8
-        self.table_keys = np.full(_MIN_SLOTS, EMPTY, dtype=np.int64)
+        self.table_keys = np.full(_MIN_SLOTS, kernels.EMPTY, dtype=np.int64)
         self.table_blocks = np.zeros(_MIN_SLOTS, dtype=np.int32)
         self.size = 0
         self.dead = 0
@@ -212,8 +190,8 @@ class KVStoreEngine:
 
     def _view_pool(self) -> None:
         self.pool = self._mapped.rows  # the rows, typed
-        self.words = as_words(self.pool)
-        self.elems = as_elements(self.pool)
+        self.words = kernels.as_words(self.pool)
+        self.elems = kernels.as_elements(self.pool)
 
     def __len__(self) -> int:
         return self.size
@@ -238,7 +216,7 @@ class KVStoreEngine:
             capacity = _MIN_SLOTS
             while 2 * (self.size + new) > capacity:
                 capacity *= 2
-            self.table_keys, self.table_blocks = rebuild(self.table_keys, self.table_blocks, capacity)
+            self.table_keys, self.table_blocks = kernels.rebuild(self.table_keys, self.table_blocks, capacity)
             self.dead = 0
         rows_needed = self.handed_out + max(0, new - self.free_top)
         rows_mapped = self._mapped.capacity
@@ -294,7 +272,7 @@ class KVStoreEngine:
         row wins over a present one). A negative key raises ``ValueError`` and adopts none.
         The table was sized for them by :meth:`claim`; nothing here moves the pool."""
         self._free_room(count)
-        added, reused, self.free_top = adopt(
+        added, reused, self.free_top = kernels.adopt(
             self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top,
             self._mapped.stamps.numpy(), self._epoch(),
         )  # fmt: skip
@@ -313,7 +291,7 @@ class KVStoreEngine:
 
     def abandon(self, first: int, count: int) -> None:
         """Give back claimed blocks ``[first, first + count)`` never adopted: zeroed, freed."""
-        zero_rows(self.words, first, count)
+        kernels.zero_rows(self.words, first, count)
         if first + count == self.handed_out:
             self.handed_out = first
             return
@@ -333,7 +311,9 @@ class KVStoreEngine:
     def _initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), dim] initial weights in the row dtype."""
         low, high = self.init_range
-        weights = initial_weights(ids.numpy(), self.layout.dim, U64(self.seed & (2**64 - 1)), low, high)
+        weights = kernels.initial_weights(
+            ids.numpy(), self.layout.dim, kernels.U64(self.seed & (2**64 - 1)), low, high
+        )
         return torch.from_numpy(weights).to(self.layout.dtype)
 
     def _fill_initial(self, ids: torch.Tensor, blocks: np.ndarray, fresh: np.ndarray) -> None:
@@ -366,11 +346,11 @@ class KVStoreEngine:
         inserts the missing ids with their initial rows, header ``(key, used)``."""
         use_threads(len(ids) * self.layout.width)
         if not insert:
-            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()))
+            return torch.from_numpy(kernels.lookup(self.table_keys, self.table_blocks, ids.numpy()))
         blocks, fresh = self._locate_or_insert(ids)
         self._fill_initial(ids, blocks, fresh)
         if self.tracking:  # the caller writes every row it locates so (the embedding updates)
-            stamp_blocks(self._mapped.stamps.numpy(), blocks, self._log.epoch)
+            kernels.stamp_blocks(self._mapped.stamps.numpy(), blocks, self._log.epoch)
         return torch.from_numpy(blocks)
 
     def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -399,9 +379,10 @@ class KVStoreEngine:
             out = _host_buffers.empty((len(ids), width), self.layout.dtype)
         with self.lock.reading():
             blocks = np.empty(len(ids), dtype=np.int64)
-            lookup_gather(
-                self.table_keys, self.table_blocks, self.elems, ids.numpy(), start, as_elements(out), blocks
-            )
+            kernels.lookup_gather(
+                self.table_keys, self.table_blocks, self.elems, ids.numpy(), start, kernels.as_elements(out),
+                blocks,
+            )  # fmt: skip
         if initial and width:
             missing = torch.from_numpy(np.flatnonzero(blocks == -1))
             if len(missing):
@@ -417,22 +398,22 @@ class KVStoreEngine:
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         use_threads(len(ids))
         with self.lock.reading():
-            return torch.from_numpy(lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
+            return torch.from_numpy(kernels.lookup(self.table_keys, self.table_blocks, ids.numpy()) >= 0)
 
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
         use_threads(len(ids))
         with self.lock.reading():
-            blocks = lookup(self.table_keys, self.table_blocks, ids.numpy())
-            return torch.from_numpy(gather_metadata(self.words, blocks))
+            blocks = kernels.lookup(self.table_keys, self.table_blocks, ids.numpy())
+            return torch.from_numpy(kernels.gather_metadata(self.words, blocks))
 
     def keys(self) -> torch.Tensor:
         with self.lock.reading():
-            keys, _ = live(self.table_keys, self.table_blocks, self.size)
+            keys, _ = kernels.live(self.table_keys, self.table_blocks, self.size)
         return torch.from_numpy(np.sort(keys))  # numpy's vectorised sort: 20 ms for 1M keys, torch's 55
 
     def _live_sorted(self) -> tuple[torch.Tensor, np.ndarray]:
         """(ids ascending, their blocks); call with the lock held."""
-        keys, blocks = live(self.table_keys, self.table_blocks, self.size)
+        keys, blocks = kernels.live(self.table_keys, self.table_blocks, self.size)
         order = np.argsort(keys, kind="stable")
         return torch.from_numpy(keys[order]), blocks[order]
 
@@ -444,12 +425,12 @@ class KVStoreEngine:
         Missing non-negative ids are inserted with header (key, used), zero columns.
         """
         keys = ids.numpy()
-        blocks = lookup(self.table_keys, self.table_blocks, keys)
+        blocks = kernels.lookup(self.table_keys, self.table_blocks, keys)
         missing = int(np.count_nonzero(blocks == -1))
         fresh = np.empty(missing, dtype=np.int64)
         if missing:
             self._reserve(missing)
-            self.free_top, self.handed_out, inserted, reused = insert_missing(
+            self.free_top, self.handed_out, inserted, reused = kernels.insert_missing(
                 self.table_keys,
                 self.table_blocks,
                 keys,
@@ -460,7 +441,7 @@ class KVStoreEngine:
                 fresh,
             )
             fresh = fresh[:inserted]
-            init_fresh(self.words, keys, blocks, fresh)
+            kernels.init_fresh(self.words, keys, blocks, fresh)
             self.size += inserted
             self.dead -= reused
         return blocks, fresh
@@ -475,20 +456,20 @@ class KVStoreEngine:
             if not covers_weights:
                 self._fill_initial(ids, blocks, fresh)
             winner = np.empty(len(blocks), dtype=np.bool_)
-            mark_last_writers(self.words, blocks, winner)
-            write_columns(
-                self.elems, self.words, blocks, winner, as_elements(values), start, now,
+            kernels.mark_last_writers(self.words, blocks, winner)
+            kernels.write_columns(
+                self.elems, self.words, blocks, winner, kernels.as_elements(values), start, now,
                 self._mapped.stamps.numpy(), self._epoch(),
             )  # fmt: skip
 
     def write_rows(self, rows: torch.Tensor) -> None:
-        words = as_words(rows)
+        words = kernels.as_words(rows)
         use_threads(rows.numel())
         with self.lock.writing():
             blocks, _ = self._locate_or_insert(torch.from_numpy(words[:, 0].copy()))
             winner = np.empty(len(blocks), dtype=np.bool_)
-            mark_last_rows(self.words, blocks, winner)
-            write_rows(self.words, blocks, winner, words, self._mapped.stamps.numpy(), self._epoch())
+            kernels.mark_last_rows(self.words, blocks, winner)
+            kernels.write_rows(self.words, blocks, winner, words, self._mapped.stamps.numpy(), self._epoch())
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
@@ -497,7 +478,7 @@ class KVStoreEngine:
     def _delete(self, ids: np.ndarray) -> int:
         self._free_room(len(ids))
         gone = np.empty(len(ids), dtype=np.int64)
-        removed, self.free_top = remove(
+        removed, self.free_top = kernels.remove(
             self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top, gone
         )
         self.size -= removed
@@ -524,10 +505,10 @@ class KVStoreEngine:
         was stamped later, and absent ids removed later. One snapshot under the lock."""
         with self.lock.reading():
             written = np.sort(
-                written_since(self.table_keys, self.table_blocks, self._mapped.stamps.numpy(), mark)
+                kernels.written_since(self.table_keys, self.table_blocks, self._mapped.stamps.numpy(), mark)
             )
             removed = self._log.removed_since(mark, torch.device("cpu"))
-            absent = lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1
+            absent = kernels.lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1
         return torch.from_numpy(written), removed[torch.from_numpy(absent)]
 
     def forget(self, mark: int) -> None:
