@@ -29,16 +29,8 @@ import numpy as np
 import torch
 from numba import cuda
 
-from leanstate.accelerated._numba_cuda_kv_kernels import (
-    WARP,
-    add,
-    div,
-    initial_weight,
-    launch,
-    mul,
-    sqrt,
-    unavailable,
-)
+from leanstate.accelerated._numba_cuda_kv_kernels import initial_weight
+from leanstate.accelerated._numba_cuda_runtime import WARP, add, div, launch, mul, sqrt, unavailable
 from leanstate.accelerated._widened_rows import WidenedRows
 from leanstate.accelerated.numba_cuda_kv_store import DEVICES, KVStoreEngine
 from leanstate.reference.row_format import COUNT_MAX

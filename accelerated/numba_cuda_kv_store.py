@@ -47,8 +47,8 @@ import torch
 from leanstate._host_reads import host_read
 from leanstate.accelerated import _numba_cuda_kv_kernels as kernels
 from leanstate.accelerated._change_log import ChangeLog
-from leanstate.accelerated._numba_cuda_kv_kernels import SIMULATED, launch
-from leanstate.accelerated._numba_cuda_kv_kernels import unavailable as unavailable  # the registry asks here
+from leanstate.accelerated._numba_cuda_runtime import SIMULATED, launch
+from leanstate.accelerated._numba_cuda_runtime import unavailable as unavailable  # the registry asks here
 from leanstate.accelerated._row_pool import RowPool, last_occurrences
 from leanstate.reference.hashing import SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
 from leanstate.reference.row_format import COUNT_MAX, RowLayout

@@ -14,6 +14,7 @@ import leanstate
 from leanstate import _backends
 from leanstate._host_reads import host_reads
 from leanstate.accelerated import _numba_cuda_kv_kernels as kernels
+from leanstate.accelerated import _numba_cuda_runtime as runtime
 from leanstate.accelerated import numba_cuda_embedding
 from tests.harness import FakeClock
 
@@ -31,7 +32,7 @@ def every_kernel() -> dict[str, object]:
     from numba.cuda.simulator.kernel import FakeCUDAKernel
 
     found = {}
-    for module in (kernels, numba_cuda_embedding):
+    for module in (runtime, kernels, numba_cuda_embedding):
         for name, value in vars(module).items():
             if isinstance(value, FakeCUDAKernel) and not value._device:
                 found[name] = value
@@ -73,13 +74,13 @@ def test_no_kernel_is_launched_outside_the_helper(monkeypatch):
     def recording(kernel, configuration):
         caller = sys._getframe(1).f_code
         launched.add(kernel.fn.__name__)
-        if caller is not kernels.launch.__code__:
+        if caller is not runtime.launch.__code__:
             outside.append(f"{kernel.fn.__name__} from {caller.co_filename}:{caller.co_name}")
         return original(kernel, configuration)
 
     monkeypatch.setattr(FakeCUDAKernel, "__getitem__", recording)
     a_workload_that_runs_every_kernel()
-    kernels.launch(kernels._k_probe, 1, torch.zeros(1, dtype=torch.int64))
+    runtime.launch(runtime._k_probe, 1, torch.zeros(1, dtype=torch.int64))
     assert outside == []
     # the workload reached every kernel, so the check above covers them all
     assert set(every_kernel()) - launched == set()
@@ -88,9 +89,9 @@ def test_no_kernel_is_launched_outside_the_helper(monkeypatch):
 def test_a_kernel_argument_that_requires_grad_is_refused_as_torchs_interface_refuses_it():
     trainable = torch.ones(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="requires grad"):
-        kernels.device_array(trainable)
+        runtime.device_array(trainable)
     out = torch.zeros(1, dtype=torch.int64)
-    kernels.launch(kernels._k_probe, 1, out)  # launch detaches: the helper never meets the refusal
+    runtime.launch(runtime._k_probe, 1, out)  # launch detaches: the helper never meets the refusal
     assert int(out[0]) == 1
 
 
@@ -115,13 +116,13 @@ def test_a_missing_toolkit_is_named_as_the_reason(monkeypatch):
     def no_nvvm(*args, **kwargs):
         raise NvvmSupportError("libNVVM cannot be found")
 
-    kernels.unavailable.cache_clear()
+    runtime.unavailable.cache_clear()
     with monkeypatch.context() as patched:
-        patched.setattr(kernels, "launch", no_nvvm)
-        reason = kernels.unavailable()
-    kernels.unavailable.cache_clear()
+        patched.setattr(runtime, "launch", no_nvvm)
+        reason = runtime.unavailable()
+    runtime.unavailable.cache_clear()
     assert "NVVM or libdevice is missing" in reason and "leanstate[cuda]" in reason
-    assert kernels.unavailable() is None  # the real probe compiles and runs in the simulator
+    assert runtime.unavailable() is None  # the real probe compiles and runs in the simulator
 
 
 def waits(call) -> int:
