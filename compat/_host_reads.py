@@ -6,6 +6,11 @@ finished, so the hot paths budget them (``spec/backends.md``): a ``get`` makes n
 ``set`` at most two. Reading the count before and after a call is how the simulator
 tests hold the numba-cuda engine to that budget; on a GPU, torch's sync debug mode
 counts the same waits.
+
+It lives beside the front classes, which wait through it too: ``import leanstate`` loads
+no ``leanstate.accelerated`` module, so the front classes cannot import it from there.
+It is the one module of ``leanstate`` that an engine may import (``spec/backends.md``,
+"Where each kind of code lives"), and it imports nothing from the package.
 """
 
 from __future__ import annotations
