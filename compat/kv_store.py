@@ -18,6 +18,7 @@ import torch
 from leanstate import _backends
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
+from leanstate.reference.arguments import int_argument, is_int
 from leanstate.reference.kv_store import ChangeMark, ReadsInPlace
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
 
@@ -81,12 +82,7 @@ class KVStore:
     ) -> None:
         check_dtype(dtype)
         layout = RowLayout(dim, optimizer_state_dim, dtype)
-        if (
-            isinstance(num_shards, bool)
-            or not isinstance(num_shards, int)
-            or not 1 <= num_shards <= MAX_SHARDS
-        ):
-            raise ValueError(f"KVStore: num_shards must be an int in [1, {MAX_SHARDS}]; got {num_shards!r}")
+        num_shards = int_argument(num_shards, "KVStore: num_shards", low=1, high=MAX_SHARDS)
         try:
             low, high = (float(x) for x in init_range)
         except (TypeError, ValueError) as exc:
@@ -97,8 +93,7 @@ class KVStore:
             raise ValueError(
                 f"KVStore: init_range must be finite (low, high) with low <= high; got {init_range!r}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"KVStore: seed must be an int; got {seed!r}")
+        seed = int_argument(seed, "KVStore: seed", error=TypeError)
         if clock is not None and not callable(clock):
             raise TypeError(f"KVStore: clock must be a callable returning seconds, or None; got {clock!r}")
         name, module = _backends.resolve("kv_store", backend)
@@ -229,9 +224,9 @@ class KVStore:
         made). Taken as one snapshot."""
         if since is None:
             since = 0 if self._mark is None else self._mark.epoch
-        elif not _is_int(since) or since < 0:
-            raise ValueError(f"KVStore.changes: since must be an int >= 0 or None; got {since!r}")
-        return self._engine.changes_since(min(int(since), 2**62))
+        else:
+            since = int_argument(since, "KVStore.changes: since (or None)", low=0)
+        return self._engine.changes_since(min(since, 2**62))
 
     @property
     def mark(self) -> ChangeMark | None:
@@ -244,7 +239,7 @@ class KVStore:
     @mark.setter
     def mark(self, mark: ChangeMark | None) -> None:
         if mark is not None:
-            if not isinstance(mark, ChangeMark) or not _is_int(mark.epoch) or mark.epoch < 0:
+            if not isinstance(mark, ChangeMark) or not is_int(mark.epoch) or mark.epoch < 0:
                 raise TypeError(
                     f"KVStore.mark must be a ChangeMark(epoch >= 0, checkpoint) or None; got {mark!r}"
                 )
@@ -274,12 +269,10 @@ class KVStore:
 
     def _check_columns(self, method: str, width_offset: object, width: object) -> tuple[int, int]:
         total = self.layout.value_width
-        if not _is_int(width_offset) or not 0 <= width_offset <= total:
-            raise ValueError(f"{method}: width_offset must be an int in [0, {total}]; got {width_offset!r}")
-        width_offset = int(width_offset)
+        width_offset = int_argument(width_offset, f"{method}: width_offset", low=0, high=total)
         if width is None:
             return width_offset, total - width_offset
-        if not _is_int(width) or width < 0 or width_offset + width > total:
+        if not is_int(width) or width < 0 or width_offset + width > total:
             raise ValueError(
                 f"{method}: width must be an int with width_offset + width <= {total}; "
                 f"got width_offset={width_offset}, width={width!r}"
@@ -380,9 +373,7 @@ class KVStore:
 
         A checkpoint load reserves its table's rows first, so the store grows once.
         """
-        if not _is_int(rows) or rows < 0:
-            raise ValueError(f"KVStore.reserve: rows must be an int >= 0; got {rows!r}")
-        self._engine.reserve(int(rows))
+        self._engine.reserve(int_argument(rows, "KVStore.reserve: rows", low=0))
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool tensor: which ids have a row (negative ids never do)."""
@@ -398,11 +389,10 @@ class KVStore:
 
     def keys_in_range(self, lo: int, hi: int) -> torch.Tensor:
         """Ids in ``[lo, hi)``, sorted ascending, as int64 (bounds are Python ints up to 2**63)."""
-        for name, value in (("lo", lo), ("hi", hi)):
-            if not _is_int(value) or not -(2**63) <= value <= 2**63:
-                raise ValueError(
-                    f"KVStore.keys_in_range: {name} must be an int in [-2**63, 2**63]; got {value!r}"
-                )
+        lo, hi = (
+            int_argument(v, f"KVStore.keys_in_range: {n}", low=-(2**63), high=2**63)
+            for n, v in (("lo", lo), ("hi", hi))
+        )
         keys = self.keys()
         if hi > 2**63 - 1:
             return keys[keys >= lo]
@@ -461,8 +451,8 @@ class KVStore:
         atomically: a concurrent write lands wholly before or after the eviction.
         """
         for name, value in (("min_count", min_count), ("max_age_s", max_age_s), ("max_rows", max_rows)):
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"KVStore.evict: {name} must be an int >= 0 or None; got {value!r}")
+            if value is not None:
+                int_argument(value, f"KVStore.evict: {name} (or None)", low=0)
         if min_l2_norm is not None and (
             isinstance(min_l2_norm, bool) or not isinstance(min_l2_norm, int | float) or not min_l2_norm >= 0
         ):
@@ -476,14 +466,3 @@ class KVStore:
             max_rows=None if max_rows is None else min(int(max_rows), 2**62),
             now=now,
         )
-
-
-def _is_int(value: object) -> bool:
-    """An integer-like (``operator.index`` works) that is not a bool."""
-    if isinstance(value, bool):
-        return False
-    try:
-        value.__index__()
-    except (AttributeError, TypeError):
-        return False
-    return True

@@ -45,6 +45,7 @@ from pathlib import Path
 import crc32c
 import torch
 
+from leanstate.reference.arguments import int_argument
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
@@ -530,8 +531,7 @@ def _checked_store(name: str, value: object) -> SupportsRows:
 
 
 def check_chunk_bytes(chunk_bytes: object) -> None:
-    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    int_argument(chunk_bytes, "chunk_bytes", low=1)
 
 
 def _is_whole(view: KVTensor) -> bool:

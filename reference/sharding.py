@@ -22,22 +22,15 @@ from __future__ import annotations
 
 import torch
 
+from leanstate.reference.arguments import int_argument
+
 
 def _check(world_size: int | None, total_num_buckets: int, bucket_size: int | None) -> None:
-    if isinstance(total_num_buckets, bool) or not isinstance(total_num_buckets, int) or total_num_buckets < 1:
-        raise ValueError(f"total_num_buckets must be a positive int; got {total_num_buckets!r}")
-    if bucket_size is not None and (
-        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-    ):
-        raise ValueError(f"bucket_size must be a positive int or None (interleaved); got {bucket_size!r}")
-    if world_size is not None and (
-        isinstance(world_size, bool)
-        or not isinstance(world_size, int)
-        or not 1 <= world_size <= total_num_buckets
-    ):
-        raise ValueError(
-            f"world_size must be an int in [1, total_num_buckets={total_num_buckets}]; got {world_size!r}"
-        )
+    int_argument(total_num_buckets, "total_num_buckets", low=1)
+    if bucket_size is not None:
+        int_argument(bucket_size, "bucket_size (or None: interleaved)", low=1)
+    if world_size is not None:
+        int_argument(world_size, "world_size", low=1, high=total_num_buckets)
 
 
 def bucket_of(ids: torch.Tensor, *, total_num_buckets: int, bucket_size: int | None = None) -> torch.Tensor:
@@ -54,8 +47,7 @@ def bucket_of(ids: torch.Tensor, *, total_num_buckets: int, bucket_size: int | N
 def bucket_range(rank: int, world_size: int, total_num_buckets: int) -> tuple[int, int]:
     """The buckets ``[first, end)`` rank ``rank`` of ``world_size`` owns."""
     _check(world_size, total_num_buckets, None)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank!r}")
+    int_argument(rank, "rank", low=0, high=world_size - 1)
     return -(-rank * total_num_buckets // world_size), -(-(rank + 1) * total_num_buckets // world_size)
 
 

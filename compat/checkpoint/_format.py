@@ -19,6 +19,7 @@ import crc32c
 import torch
 
 from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
@@ -112,8 +113,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_chunk_bytes(method: str, chunk_bytes: object) -> None:
-    if not is_count(chunk_bytes) or chunk_bytes == 0:
-        raise ValueError(f"{method}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    int_argument(chunk_bytes, f"{method}: chunk_bytes", low=1)
 
 
 def row_bytes_of(rows: torch.Tensor) -> memoryview:
@@ -514,12 +514,13 @@ def check_id_range(id_range: object, method: str) -> tuple[int, int] | None:
     if not isinstance(id_range, tuple | list) or len(id_range) != 2:
         raise ValueError(f"{method}: id_range must be None or a pair (lo, hi); got {id_range!r}")
     lo, hi = id_range
-    for name, value in (("lo", lo), ("hi", hi)):
-        if isinstance(value, bool) or not hasattr(value, "__index__") or not -(2**63) <= int(value) <= 2**63:
-            raise ValueError(f"{method}: id_range {name} must be an int in [-2**63, 2**63]; got {value!r}")
-    if int(lo) > int(hi):
+    lo, hi = (
+        int_argument(v, f"{method}: id_range {n}", low=-(2**63), high=2**63)
+        for n, v in (("lo", lo), ("hi", hi))
+    )
+    if lo > hi:
         raise ValueError(f"{method}: id_range must have lo <= hi; got {id_range!r}")
-    return int(lo), int(hi)
+    return lo, hi
 
 
 def in_range(keys: torch.Tensor, id_range: tuple[int, int]) -> torch.Tensor:
