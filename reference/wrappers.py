@@ -333,29 +333,15 @@ def checkpoint_wrapper(
     return CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)
 
 
-def offload_wrapper(
-    module: nn.Module,
-    *,
-    pin_memory: bool | str = "auto",
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-    pinned_budget_bytes: int | None = None,
-    pool: PinnedMemoryPool | None = None,
-    copier: Copier | None = None,
-) -> OffloadWrapper:
-    """Wrap ``module`` in an :class:`OffloadWrapper` (a no-op for CPU activations: see there).
+def offload_wrapper(module: nn.Module, **options) -> OffloadWrapper:
+    """Wrap ``module`` in an :class:`OffloadWrapper`, whose keywords ``options`` are (a no-op
+    for CPU activations: see there).
 
     Example::
 
         >>> model = offload_wrapper(model, pinned_budget_bytes=2**30)
     """
-    return OffloadWrapper(
-        module,
-        pin_memory=pin_memory,
-        min_offload_bytes=min_offload_bytes,
-        pinned_budget_bytes=pinned_budget_bytes,
-        pool=pool,
-        copier=copier,
-    )
+    return OffloadWrapper(module, **options)
 
 
 def _numel(module: nn.Module) -> int:
