@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -210,6 +212,189 @@ def _sharded_load_lines(ranks: list[dict], rows: int, backend: str) -> list[tupl
     ]
 
 
+class Setting(NamedTuple):
+    """What every section of :func:`report` measures at: the sizes, the backend of the
+    checkpoint, embedding-tracking and load rows, and the rounds."""
+
+    rows: int
+    dim: int
+    batch: int
+    backend: str
+    wrapper_batch: int
+    quick: bool
+    checkpoint_rows: int
+    rounds: int
+
+
+class Figure(NamedTuple):
+    """One row of a section, declared: the measure, leanstate's side, the peer, its side and
+    the target (a floor on the ratio; None: reported, no target). ``rate``: leanstate / peer."""
+
+    measure: str
+    ours: float | list[float]
+    peer_name: str
+    peer: float | list[float]
+    target: float | None
+    rate: bool = False
+
+
+def _lines(component: str, backend: str, figures: list[Figure]) -> list[tuple]:
+    """The bench rows of ``figures``, in order, all of ``component`` on ``backend``."""
+    return [
+        _line(component, f.measure, backend, f.ours, f.peer_name, f.peer, f.target, rate=f.rate)
+        for f in figures
+    ]
+
+
+def _engines() -> list[str]:
+    return [b for b in _backends.available("kv_store") if b != "reference"]  # no targets
+
+
+def _store_section(s: Setting) -> list[tuple]:
+    """The store's rows on every accelerated store backend."""
+    return store_figures(s.rows, s.dim, s.batch, backends=_engines(), rounds=s.rounds)
+
+
+def _checkpoint_section(s: Setting) -> list[tuple]:
+    """The checkpoint's I/O rows on every accelerated store backend."""
+    return checkpoint_figures(s.checkpoint_rows, s.dim, _engines(), s.rounds)
+
+
+def _sharded_load_section(s: Setting) -> list[tuple]:
+    """Each rank's version-2 load beside a version-1 load of its rows."""
+    ranks = sharded_load_comparison(s.checkpoint_rows, s.dim, s.backend, s.rounds)
+    return _sharded_load_lines(ranks, s.checkpoint_rows, s.backend)
+
+
+def _delta_section(s: Setting) -> list[tuple]:
+    """The delta checkpoint's rows, at the size their targets are stated for: a delta's
+    fixed cost (five fsyncs) would dominate a smaller table's."""
+    return delta_figures(DELTA_ROWS, s.dim, s.backend, s.rounds, _line)
+
+
+def _load_memory_section(s: Setting) -> list[tuple]:
+    """The whole-row load's extra memory beside its budget and beside the legacy load's."""
+    chunk = 16 * 2**20
+    memory = load_peak_extra_bytes(s.rows, s.dim, s.backend, chunk)
+    table = s.rows * (8 + (s.dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
+    whole = memory["whole"] / 2**20
+    return _lines("checkpoint", s.backend, [
+        Figure("whole-row load extra MiB", whole, "budget: 2 x chunk + 64 MiB", (2 * chunk + 64 * 2**20) / 2**20, 1.0),
+        Figure(f"whole-row load extra MiB (table {table / 2**20:.0f} MiB)", whole, "legacy load extra MiB", memory["legacy"] / 2**20, 2.0),
+    ])  # fmt: skip
+
+
+def _wrappers_section(s: Setting) -> list[tuple]:
+    """The checkpoint and offload wrappers' step time and saved bytes beside torch's."""
+    steps = {v: WrapperStep(v, batch=s.wrapper_batch) for v in WrapperStep.VARIANTS}
+    for w in steps.values():
+        w.step()  # warm-up
+    times = samples({v: w.step for v, w in steps.items()}, s.rounds)
+    mib = {v: w.saved_bytes() / 2**20 for v, w in steps.items()}
+    del steps
+    return _lines("wrappers", "reference", [
+        Figure(f"checkpoint step s (batch {s.wrapper_batch})", times["checkpoint"], "torch checkpoint_wrapper", times["torch_checkpoint"], 0.95),
+        Figure("checkpoint saved MiB", mib["checkpoint"], "torch checkpoint_wrapper", mib["torch_checkpoint"], 1.0),
+        Figure("offload saved MiB", mib["offload"], "no wrapper", mib["none"], 1.0),
+        Figure("offload saved MiB", mib["offload"], "torch offload_wrapper", mib["torch_offload"], 1.0),
+    ])  # fmt: skip
+
+
+def _embedding_section(s: Setting) -> list[tuple]:
+    """A KV bag's SGD and row-wise Adagrad steps on every embedding backend beside a sparse
+    EmbeddingBag's."""
+    lines = []
+    for name, (optimizer, peer) in itertools.product(
+        _backends.available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
+    ):
+        ours = EmbeddingStep("kv", optimizer, s.rows, s.dim, backend=name)
+        dense = EmbeddingStep("dense", peer, s.rows, s.dim)
+        ours.step()
+        dense.step()
+        times = samples({"ours": ours.step, "peer": dense.step}, s.rounds)
+        target = _target("embedding", optimizer, name)
+        lines += _lines("embedding", name, [
+            Figure(f"{optimizer} step s (B=4096x20)", times["ours"], f"EmbeddingBag(sparse)+{peer}", times["peer"], target),
+        ])  # fmt: skip
+        del ours, dense
+    return lines
+
+
+def _tracking_section(s: Setting) -> list[tuple]:
+    """A training step with change tracking on beside the same step with it off."""
+    return [tracking_figure(s.rows, s.dim, s.backend, s.rounds)]
+
+
+def _threads_section(s: Setting) -> list[tuple]:
+    """The numba kernels beside a CPU-bound neighbour, on their default threads and on one."""
+    if "numba" not in _backends.available("embedding"):
+        return []
+    loaded = threads_under_load(2 if s.quick else 3)
+    return _lines("threads", "numba", [
+        Figure(measure, loaded[f"{figure} default"], "NUMBA_NUM_THREADS=1", loaded[f"{figure} one"], 0.8)
+        for figure, measure in (
+            ("step", "256x20 step s, CPU-bound neighbour"),
+            ("set_rows", "set_rows 2 rows s, CPU-bound neighbour"),
+        )
+    ])  # fmt: skip
+
+
+def _zero_section(s: Setting) -> list[tuple]:
+    """leanstate's ZeRO beside torch's: step, broadcasts, consolidation and state share."""
+    zero = zero_comparison(steps=4 if s.quick else 10)
+    consolidate = zero["consolidate"]
+    return _lines("zero", "reference", [
+        Figure("step s (2 ranks, buckets)", zero["steps"]["leanstate"], "torch ZeRO", zero["steps"]["torch"], 1.05),
+        Figure("broadcasts per step", zero["broadcasts"], "world size", 2, 1.0),
+        Figure("consolidate s (~32 MiB/rank)", consolidate["leanstate"], "torch ZeRO", consolidate["torch"], 1.0),
+        Figure("consolidate s (~32 MiB/rank)", consolidate["leanstate"], "budget s", 0.1, 1.0),
+        Figure("state MiB on rank 0", zero["state_bytes"] / 2**20, "total / world", zero["even_share"] / 2**20, 1 / 1.001),
+    ])  # fmt: skip
+
+
+def _sharded_section(s: Setting) -> list[tuple]:
+    """The sharded collection at 1, 2 (and 3) ranks beside 1 rank: rate, CPU per id, bytes
+    exchanged, and at 2 ranks where a step's time goes."""
+    ids = 4096 if s.quick else 16_384
+    exchange = {"steps": 2, "ids": ids} if s.quick else {}
+    embedding = leanstate.backend_info().chosen["embedding"]
+    single = sharded_comparison(1, **exchange)
+    figures = []
+    for world in (1, 2) if s.quick else (1, 2, 3):
+        run = single if world == 1 else sharded_comparison(world, **exchange)
+        figures.append(
+            Figure(f"lookups+updates/s, {world} rank(s) x {ids}", world * ids / run["step"], "1 rank", ids / single["step"], None, rate=True)
+        )  # fmt: skip
+        if world == 1:
+            continue
+        figures += [
+            Figure(f"CPU s per lookup+update, all {world} ranks", run["cpu_per_id"], "1 rank", single["cpu_per_id"], 1 / 1.5 if world == 2 else None),
+            Figure(f"bytes exchanged / minimum, {world} ranks", run["bytes"], "distinct ids x (row + grad)", run["min_bytes"], 1 / 1.1),
+        ]  # fmt: skip
+        if world == 2:  # where a step's time goes, per rank (the 1-rank run beside it)
+            figures += [
+                Figure(f"{phase} s per step, 2 ranks", seconds, "1 rank", single["phases"].get(phase, float("nan")), None)
+                for phase, seconds in run["phases"].items()
+            ]  # fmt: skip
+    return _lines("sharded", embedding, figures)
+
+
+# The bench table's sections, run in this order; each measures and returns its rows.
+SECTIONS: tuple[Callable[[Setting], list[tuple]], ...] = (
+    _store_section,
+    _checkpoint_section,
+    _sharded_load_section,
+    _delta_section,
+    _load_memory_section,
+    _wrappers_section,
+    _embedding_section,
+    _tracking_section,
+    _threads_section,
+    _zero_section,
+    _sharded_section,
+)
+
+
 def report(
     rows: int = 200_000,
     dim: int = 128,
@@ -230,213 +415,19 @@ def report(
     store rows run on every registered backend; the rest on ``backend`` (default: the
     import-time choice). Targets apply to the accelerated backends; the reference is
     reported beside them. ``checkpoint_rows``: the table of the checkpoint figures
-    (default ``rows``).
+    (default ``rows``). The rows are those of :data:`SECTIONS`, in order.
     """
-    backend = backend or leanstate.backend_info().chosen["kv_store"]
-    checkpoint_rows = checkpoint_rows or rows
-    rounds = 3 if quick else 5
-    lines = []
-
-    def add(component, measure, ours, peer_name, peer, target, *, rate=False, name=backend):
-        lines.append(_line(component, measure, name, ours, peer_name, peer, target, rate=rate))
-
-    engines = [b for b in _backends.available("kv_store") if b != "reference"]  # no targets
-    lines.extend(store_figures(rows, dim, batch, backends=engines, rounds=rounds))
-    lines.extend(checkpoint_figures(checkpoint_rows, dim, engines, rounds))
-    ranks = sharded_load_comparison(checkpoint_rows, dim, backend, rounds)
-    lines.extend(_sharded_load_lines(ranks, checkpoint_rows, backend))
-    # at the size the delta targets are stated for: a delta's fixed cost (five fsyncs)
-    # would dominate a smaller table's
-    lines.extend(delta_figures(DELTA_ROWS, dim, backend, rounds, _line))
-    chunk = 16 * 2**20
-    memory = load_peak_extra_bytes(rows, dim, backend, chunk)
-    table = rows * (8 + (dim + 1) * 4)  # ids, weights and optimizer state: what legacy holds
-    add(
-        "checkpoint",
-        "whole-row load extra MiB",
-        memory["whole"] / 2**20,
-        "budget: 2 x chunk + 64 MiB",
-        (2 * chunk + 64 * 2**20) / 2**20,
-        1.0,
+    setting = Setting(
+        rows=rows,
+        dim=dim,
+        batch=batch,
+        backend=backend or leanstate.backend_info().chosen["kv_store"],
+        wrapper_batch=wrapper_batch,
+        quick=quick,
+        checkpoint_rows=checkpoint_rows or rows,
+        rounds=3 if quick else 5,
     )
-    add(
-        "checkpoint",
-        f"whole-row load extra MiB (table {table / 2**20:.0f} MiB)",
-        memory["whole"] / 2**20,
-        "legacy load extra MiB",
-        memory["legacy"] / 2**20,
-        2.0,
-    )
-    steps = {v: WrapperStep(v, batch=wrapper_batch) for v in WrapperStep.VARIANTS}
-    for w in steps.values():
-        w.step()  # warm-up
-    times = samples({v: w.step for v, w in steps.items()}, rounds)
-    saved = {v: w.saved_bytes() for v, w in steps.items()}
-    add(
-        "wrappers",
-        f"checkpoint step s (batch {wrapper_batch})",
-        times["checkpoint"],
-        "torch checkpoint_wrapper",
-        times["torch_checkpoint"],
-        0.95,
-        name="reference",
-    )
-    add(
-        "wrappers",
-        "checkpoint saved MiB",
-        saved["checkpoint"] / 2**20,
-        "torch checkpoint_wrapper",
-        saved["torch_checkpoint"] / 2**20,
-        1.0,
-        name="reference",
-    )
-    add(
-        "wrappers",
-        "offload saved MiB",
-        saved["offload"] / 2**20,
-        "no wrapper",
-        saved["none"] / 2**20,
-        1.0,
-        name="reference",
-    )
-    add(
-        "wrappers",
-        "offload saved MiB",
-        saved["offload"] / 2**20,
-        "torch offload_wrapper",
-        saved["torch_offload"] / 2**20,
-        1.0,
-        name="reference",
-    )
-    del steps
-    for name, (optimizer, peer) in itertools.product(
-        _backends.available("embedding"), (("sgd", "sgd"), ("rowwise_adagrad", "adagrad"))
-    ):
-        ours = EmbeddingStep("kv", optimizer, rows, dim, backend=name)
-        dense = EmbeddingStep("dense", peer, rows, dim)
-        ours.step()
-        dense.step()
-        times = samples({"ours": ours.step, "peer": dense.step}, rounds)
-        add(
-            "embedding",
-            f"{optimizer} step s (B=4096x20)",
-            times["ours"],
-            f"EmbeddingBag(sparse)+{peer}",
-            times["peer"],
-            _target("embedding", optimizer, name),
-            name=name,
-        )
-        del ours, dense
-    lines.append(tracking_figure(rows, dim, backend, rounds))
-    if "numba" in _backends.available("embedding"):
-        loaded = threads_under_load(2 if quick else 3)
-        for figure, measure in (
-            ("step", "256x20 step s, CPU-bound neighbour"),
-            ("set_rows", "set_rows 2 rows s, CPU-bound neighbour"),
-        ):
-            add(
-                "threads",
-                measure,
-                loaded[f"{figure} default"],
-                "NUMBA_NUM_THREADS=1",
-                loaded[f"{figure} one"],
-                0.8,
-                name="numba",
-            )  # fmt: skip
-    zero = zero_comparison(steps=4 if quick else 10)
-    add(
-        "zero",
-        "step s (2 ranks, buckets)",
-        zero["steps"]["leanstate"],
-        "torch ZeRO",
-        zero["steps"]["torch"],
-        1.05,
-        name="reference",
-    )
-    add(
-        "zero",
-        "broadcasts per step",
-        zero["broadcasts"],
-        "world size",
-        2,
-        1.0,
-        name="reference",
-    )
-    consolidate = zero["consolidate"]
-    add(
-        "zero",
-        "consolidate s (~32 MiB/rank)",
-        consolidate["leanstate"],
-        "torch ZeRO",
-        consolidate["torch"],
-        1.0,
-        name="reference",
-    )
-    add(
-        "zero",
-        "consolidate s (~32 MiB/rank)",
-        consolidate["leanstate"],
-        "budget s",
-        0.1,
-        1.0,
-        name="reference",
-    )
-    add(
-        "zero",
-        "state MiB on rank 0",
-        zero["state_bytes"] / 2**20,
-        "total / world",
-        zero["even_share"] / 2**20,
-        1 / 1.001,
-        name="reference",
-    )
-    ids = 4096 if quick else 16_384
-    exchange = {"steps": 2, "ids": ids} if quick else {}
-    embedding = leanstate.backend_info().chosen["embedding"]
-    single = sharded_comparison(1, **exchange)
-    for world in (1, 2) if quick else (1, 2, 3):
-        run = single if world == 1 else sharded_comparison(world, **exchange)
-        add(
-            "sharded",
-            f"lookups+updates/s, {world} rank(s) x {ids}",
-            world * ids / run["step"],
-            "1 rank",
-            ids / single["step"],
-            None,
-            rate=True,
-            name=embedding,
-        )
-        if world == 1:
-            continue
-        add(
-            "sharded",
-            f"CPU s per lookup+update, all {world} ranks",
-            run["cpu_per_id"],
-            "1 rank",
-            single["cpu_per_id"],
-            1 / 1.5 if world == 2 else None,
-            name=embedding,
-        )
-        add(
-            "sharded",
-            f"bytes exchanged / minimum, {world} ranks",
-            run["bytes"],
-            "distinct ids x (row + grad)",
-            run["min_bytes"],
-            1 / 1.1,
-            name=embedding,
-        )
-        if world == 2:  # where a step's time goes, per rank (the 1-rank run beside it)
-            for phase, seconds in run["phases"].items():
-                add(
-                    "sharded",
-                    f"{phase} s per step, 2 ranks",
-                    seconds,
-                    "1 rank",
-                    single["phases"].get(phase, float("nan")),
-                    None,
-                    name=embedding,
-                )
+    lines = [line for section in SECTIONS for line in section(setting)]
     rows_out = [dict(zip(FIELDS, line, strict=True)) for line in lines]
     for row in rows_out:
         row["spread"] = f"{min(row['ratios']):.3g}..{max(row['ratios']):.3g}"

@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -289,10 +290,24 @@ def _plot(path: Path, runs: dict, memory: dict, table_mib: float, speeds: dict, 
     return True
 
 
-def main(args: argparse.Namespace) -> int:
-    """Train, checkpoint, resume and reshard; print the proofs and a summary; draw the figure."""
-    from leanstate._tools.workloads import CheckpointIO, best_time, load_peak_extra_bytes
+@dataclass(frozen=True)
+class Plan:
+    """The demo's four runs, set up: the output folder, the settings every run shares, the
+    world sizes (``world`` and the ``other`` one of the elastic proofs) and the checkpoint
+    steps the resumed and elastic runs load (``last``, ``middle``, ``again``)."""
 
+    out: Path
+    base: dict
+    world: int
+    other: int
+    last: int
+    middle: int
+    again: int
+
+
+def _set_up(args: argparse.Namespace) -> Plan | None:
+    """A fresh output folder and the plan of the runs; None (after saying why) when
+    ``--steps`` leaves no checkpoint to resume from."""
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -313,43 +328,71 @@ def main(args: argparse.Namespace) -> int:
     middle = max(args.every, last // 2 // args.every * args.every)
     if last < args.every:
         print("demo: --steps must exceed --every, so that a checkpoint is written", file=sys.stderr)
-        return 2
-    print(
-        f"leanstate demo: click model, {world} gloo rank(s), {args.steps} steps of {args.batch} samples, "
-        f"dim {args.dim}, checkpoint every {args.every} steps, backend {args.backend or leanstate.backend_info().chosen['embedding']}"
-    )
-    started = time.perf_counter()
+        return None
+    again = (middle + last) // 2 // args.every * args.every
+    again = again if again > middle else last
+    return Plan(out, base, world, other, last, middle, again)
+
+
+def _train_runs(plan: Plan) -> dict[str, dict]:
+    """The four training runs, in order: uninterrupted (checkpointing), resumed from its last
+    checkpoint, loaded at its middle checkpoint at the other world size, and loaded back at
+    ``world`` from that run's checkpoint; each run's record by name."""
+    base, out, world, other = plan.base, plan.out, plan.world, plan.other
     runs = {}
     runs["uninterrupted"] = _spawn({**base, "name": "uninterrupted"}, world)
     runs["resumed"] = _spawn(
-        {**base, "name": "resumed", "load_from": str(out / "uninterrupted" / f"step{last}"), "save": False},
+        {
+            **base,
+            "name": "resumed",
+            "load_from": str(out / "uninterrupted" / f"step{plan.last}"),
+            "save": False,
+        },
         world,
     )
     runs[f"{world}->{other} ranks"] = _spawn(
         {
             **base,
             "name": f"{world}->{other} ranks",
-            "load_from": str(out / "uninterrupted" / f"step{middle}"),
+            "load_from": str(out / "uninterrupted" / f"step{plan.middle}"),
         },
         other,
     )
-    again = (middle + last) // 2 // args.every * args.every
-    again = again if again > middle else last
     runs[f"{other}->{world} ranks"] = _spawn(
         {
             **base,
             "name": f"{other}->{world} ranks",
-            "load_from": str(out / f"{world}->{other} ranks" / f"step{again}"),
+            "load_from": str(out / f"{world}->{other} ranks" / f"step{plan.again}"),
             "save": False,
         },
         world,
     )
-    # The memory claim on a table large enough for it to show (the demo's own are small).
+    return runs
+
+
+def _measure(args: argparse.Namespace, runs: dict) -> dict:
+    """The memory claim and the checkpoint speeds on a table large enough for them to show
+    (the demo's own are small, fixed costs dominate): its ``rows``, the whole-row and legacy
+    loads' peak extra bytes (``memory``), its size (``table_mib``) and MB/s (``speeds``)."""
+    from leanstate._tools.workloads import CheckpointIO, best_time, load_peak_extra_bytes
+
     rows = max(args.memory_rows, sum(runs["uninterrupted"]["rows"].values()))
     memory = load_peak_extra_bytes(rows, args.dim, leanstate.backend_info().chosen["kv_store"], 2**20)
     table_mib = rows * (8 + (args.dim + 1) * 4) / 2**20
+    table_io = CheckpointIO(rows, args.dim, leanstate.backend_info().chosen["kv_store"])
+    try:
+        size = table_io.bytes.nbytes / 1e6
+        speeds = {"save": size / best_time(table_io.save, 2), "load": size / best_time(table_io.load, 2)}
+    finally:
+        table_io.close()
+    return {"rows": rows, "memory": memory, "table_mib": table_mib, "speeds": speeds}
 
-    # -- the proofs --------------------------------------------------------------------
+
+def _proofs(plan: Plan, runs: dict, measured: dict) -> list[tuple[str, bool, str]]:
+    """Each claim as (claim, held, detail): the bit-exact resume, the two elastic loads'
+    losses within ``ELASTIC_RTOL``, and the whole-row load's memory beside the legacy one's."""
+    world, other = plan.world, plan.other
+    memory, table_mib = measured["memory"], measured["table_mib"]
     proofs = []
     full = runs["uninterrupted"]
     resumed = runs["resumed"]
@@ -357,12 +400,12 @@ def main(args: argparse.Namespace) -> int:
     links = full["delta"][::-1].index(False) + 1 if False in full["delta"] else 1  # from the last full one
     proofs.append(
         (
-            f"resume from step {last} at {world} rank(s) ({'a chain of ' + str(links) + ' checkpoints' if links > 1 else 'a full checkpoint'}) is bit-exact",
+            f"resume from step {plan.last} at {world} rank(s) ({'a chain of ' + str(links) + ' checkpoints' if links > 1 else 'a full checkpoint'}) is bit-exact",
             same_losses and resumed["digest"] == full["digest"],
             f"{len(resumed['losses'])} losses equal, final rows+dense sha256 {'equal' if resumed['digest'] == full['digest'] else 'DIFFER'}",
         )
     )
-    for name, start in ((f"{world}->{other} ranks", middle), (f"{other}->{world} ranks", again)):
+    for name, start in ((f"{world}->{other} ranks", plan.middle), (f"{other}->{world} ranks", plan.again)):
         record = runs[name]
         worst = max(
             abs(record["losses"][s] - full["losses"][s]) / abs(full["losses"][s]) for s in record["losses"]
@@ -379,21 +422,18 @@ def main(args: argparse.Namespace) -> int:
             "whole-row load needs a fraction of the legacy load's memory",
             memory["whole"] < memory["legacy"] / 4 and memory["legacy"] > 0.9 * table_mib * 2**20,
             f"whole-row +{memory['whole'] / 2**20:.1f} MiB, legacy +{memory['legacy'] / 2**20:.1f} MiB, "
-            f"table {table_mib:.1f} MiB ({rows} rows)",
+            f"table {table_mib:.1f} MiB ({measured['rows']} rows)",
         )
     )
-    saves = full["saves"]
-    # The demo's own checkpoints are small (fixed costs dominate): MB/s on the memory table.
-    table_io = CheckpointIO(rows, args.dim, leanstate.backend_info().chosen["kv_store"])
-    try:
-        size = table_io.bytes.nbytes / 1e6
-        speeds = {"save": size / best_time(table_io.save, 2), "load": size / best_time(table_io.load, 2)}
-    finally:
-        table_io.close()
-    png = out / "demo.png"
-    drawn = _plot(png, runs, memory, table_mib, speeds, full)
+    return proofs
 
-    # -- the summary -------------------------------------------------------------------
+
+def _summarize(plan: Plan, runs: dict, measured: dict, proofs: list, drawn: bool, started: float) -> None:
+    """Print the runs' table, the checkpoints' speeds and sizes, each proof, the figure's
+    path and the time taken."""
+    world, other = plan.world, plan.other
+    full = runs["uninterrupted"]
+    speeds = measured["speeds"]
     print()
     print(f"{'run':<22} {'ranks':>5} {'steps':>11} {'first loss':>11} {'last loss':>10}  rows on rank 0")
     for name, record in runs.items():
@@ -404,7 +444,7 @@ def main(args: argparse.Namespace) -> int:
             f"{record['losses'][steps[-1]]:>10.5f}  {record['rows']}"
         )
     print(
-        f"checkpoints: {len(saves)} saves during training; a {rows}-row table saves at {speeds['save']:.0f} MB/s "
+        f"checkpoints: {len(full['saves'])} saves during training; a {measured['rows']}-row table saves at {speeds['save']:.0f} MB/s "
         f"and loads at {speeds['load']:.0f} MB/s (whole rows, CRC-32C per chunk, fsync)"
     )
     sizes = {kind: [b for b, d in zip(full["bytes"], full["delta"]) if d == kind] for kind in (False, True)}
@@ -417,6 +457,27 @@ def main(args: argparse.Namespace) -> int:
     print()
     for claim, ok, detail in proofs:
         print(f"{'PASS' if ok else 'FAIL'}  {claim}: {detail}")
+    png = plan.out / "demo.png"
     print(f"figure: {png}" if drawn else "figure: skipped (pip install 'leanstate[demo]' for matplotlib)")
-    print(f"done in {time.perf_counter() - started:.0f} s; checkpoints under {out}")
+    print(f"done in {time.perf_counter() - started:.0f} s; checkpoints under {plan.out}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Train, checkpoint, resume and reshard; print the proofs and a summary; draw the figure."""
+    plan = _set_up(args)
+    if plan is None:
+        return 2
+    print(
+        f"leanstate demo: click model, {plan.world} gloo rank(s), {args.steps} steps of {args.batch} samples, "
+        f"dim {args.dim}, checkpoint every {args.every} steps, backend {args.backend or leanstate.backend_info().chosen['embedding']}"
+    )
+    started = time.perf_counter()
+    runs = _train_runs(plan)
+    measured = _measure(args, runs)
+    proofs = _proofs(plan, runs, measured)
+    drawn = _plot(
+        plan.out / "demo.png", runs, measured["memory"], measured["table_mib"], measured["speeds"],
+        runs["uninterrupted"],
+    )  # fmt: skip
+    _summarize(plan, runs, measured, proofs, drawn, started)
     return 0 if all(ok for _, ok, _ in proofs) else 1
