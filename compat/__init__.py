@@ -29,6 +29,7 @@ from leanstate.embedding import (
     KVEmbeddingBagCollection,
     KVTableConfig,
 )
+from leanstate.embedding.sharded import ShardedKVEmbeddingBagCollection
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
@@ -43,7 +44,6 @@ from leanstate.reference.wrappers import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from leanstate.sharded_embedding import ShardedKVEmbeddingBagCollection
 from leanstate.wrappers import offload_wrapper
 from leanstate.zero import ZeroRedundancyOptimizer
 

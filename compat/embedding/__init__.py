@@ -20,18 +20,19 @@ Example::
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from leanstate import _backends
-from leanstate._bag_input import batch_summary, checked_batch
-from leanstate._collection import TableCollection, config_of
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
-from leanstate._torchrec_shapes import (
+from leanstate.embedding._bag_input import batch_summary, checked_batch
+from leanstate.embedding._collection import TableCollection
+from leanstate.embedding._config import BagConfig, bag_arguments
+from leanstate.embedding._torchrec_shapes import (
     KeyedJaggedTensor,
     KeyedTensor,
     KVTableConfig,
@@ -39,7 +40,7 @@ from leanstate._torchrec_shapes import (
     table_inputs,
 )
 from leanstate.kv_store import KVStore
-from leanstate.reference.embedding import OPTIMIZERS, state_elements, state_fields
+from leanstate.reference.embedding import state_elements, state_fields
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import pad4
 
@@ -83,21 +84,11 @@ class _FusedUpdate(torch.autograd.Function):
         return None, None, None, None, None, grad_weights
 
 
-def _check_number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
-    """``value`` as a finite float in ``[low, below)``, else a ``ValueError`` naming ``name``."""
-    bound = f"[{low}, {below})" if below is not None else f">= {low}"
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if (
-        isinstance(value, bool)
-        or not math.isfinite(number)
-        or number < low
-        or (below is not None and number >= below)
-    ):
-        raise ValueError(f"KVEmbeddingBag: invalid {name}: {value!r} (must be a finite number {bound})")
-    return number
+def _configured(name: str) -> property:
+    """A read-only attribute of the bag: its config's field ``name``."""
+    return property(
+        lambda bag: getattr(bag.config, name), doc=f"``{name}``, as the bag was built (``config.{name}``)."
+    )
 
 
 class KVEmbeddingBag(nn.Module):
@@ -130,6 +121,10 @@ class KVEmbeddingBag(nn.Module):
     ``stats`` counts, over all forwards: ``batches``, ``ids`` (positions), ``padding_ids``
     (negative ids) and ``unique_ids`` (distinct non-padding ids, summed per batch).
 
+    ``config`` holds the arguments as checked (a frozen ``BagConfig``): the attributes of
+    those names read it, and copies are built from it. ``lr``, ``eps`` and ``weight_decay``
+    are live attributes too (a scheduler writes them); ``config`` keeps the constructor's.
+
     ``copy.deepcopy`` gives an independent module with a copy of every row (the clock is
     shared). A ``state_dict()`` holds KVTensors, which refuse to be pickled: save the
     module with ``save_checkpoint(path, bag.checkpoint_tables(), extra=bag.extra_state())``.
@@ -158,50 +153,17 @@ class KVEmbeddingBag(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        if num_embeddings is not None and (
-            isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1
-        ):
-            raise ValueError(
-                f"KVEmbeddingBag: num_embeddings must be a positive int, or None for hashed ids; "
-                f"got {num_embeddings!r}"
-            )
-        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"KVEmbeddingBag: embedding_dim must be a positive int; got {embedding_dim!r}")
-        if mode not in ("sum", "mean"):
-            raise ValueError(f"KVEmbeddingBag: mode must be 'sum' or 'mean'; got {mode!r}")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"KVEmbeddingBag: optimizer must be one of {OPTIMIZERS}; got {optimizer!r}")
-        try:
-            beta1, beta2 = betas
-        except (TypeError, ValueError):
-            raise ValueError(f"KVEmbeddingBag: betas must be two numbers; got {betas!r}") from None
-        lr, eps, weight_decay = (
-            _check_number("lr", lr),
-            _check_number("eps", eps),
-            _check_number("weight_decay", weight_decay),
-        )
-        betas = (_check_number("betas[0]", beta1, below=1.0), _check_number("betas[1]", beta2, below=1.0))
-        if return_whole_row and not optimizer_offloading:
-            raise ValueError(
-                "return_whole_row=True needs optimizer_offloading=True (the whole row holds the "
-                "optimizer state only when it is offloaded into the row); pass return_whole_row=False"
-            )
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"KVEmbeddingBag: dtype must be float32, float16 or bfloat16; got {dtype!r}")
-        name, module = _backends.resolve("embedding", backend)
-        self._config = dict(
+        config = BagConfig(
             num_embeddings=num_embeddings, embedding_dim=embedding_dim, mode=mode,
             include_last_offset=include_last_offset, optimizer=optimizer,
             lr=lr, eps=eps, betas=betas, weight_decay=weight_decay,
             optimizer_offloading=optimizer_offloading, return_whole_row=return_whole_row, dtype=dtype,
             num_shards=num_shards, init_range=init_range, seed=seed, clock=clock, device=device,
-            backend=name,
+            backend=backend,
         )  # fmt: skip
-        self.backend = name
-        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self.mode, self.optimizer, self.include_last_offset = mode, optimizer, bool(include_last_offset)
-        self.lr, self.eps, self.betas, self.weight_decay = lr, eps, betas, weight_decay
-        self.optimizer_offloading, self.return_whole_row = optimizer_offloading, return_whole_row
+        name, module = _backends.resolve("embedding", backend)
+        # the optimizer's live hyperparameters: a scheduler writes them (config keeps the constructor's)
+        self.lr, self.eps, self.weight_decay = config.lr, config.eps, config.weight_decay
         self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
         self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
         self.stats = {"batches": 0, "ids": 0, "padding_ids": 0, "unique_ids": 0}
@@ -220,6 +182,7 @@ class KVEmbeddingBag(nn.Module):
                 KVStore(state_floats, init_range=(0.0, 0.0), **common) if state_floats else None
             )
             state_start = self.state_store.layout.header_elems if self.state_store is not None else 0
+        self.config = dataclasses.replace(config, backend=name, init_range=self.store.init_range)
         self._engine = module.EmbeddingEngine(
             self.store.engine,
             None if self.state_store is None else self.state_store.engine,
@@ -227,6 +190,18 @@ class KVEmbeddingBag(nn.Module):
             state_width=state_width,
             optimizer=optimizer,
         )
+
+    # the configuration, read-only (lr, eps and weight_decay are live attributes, set above)
+    num_embeddings = _configured("num_embeddings")
+    embedding_dim = _configured("embedding_dim")
+    mode = _configured("mode")
+    include_last_offset = _configured("include_last_offset")
+    optimizer = _configured("optimizer")
+    betas = _configured("betas")
+    optimizer_offloading = _configured("optimizer_offloading")
+    return_whole_row = _configured("return_whole_row")
+    dtype = _configured("dtype")
+    backend = _configured("backend")
 
     @classmethod
     def from_config(
@@ -238,25 +213,7 @@ class KVEmbeddingBag(nn.Module):
         backend: str | None = None,
     ) -> KVEmbeddingBag:
         """The bag a :class:`KVTableConfig` describes."""
-        return cls(
-            config.num_embeddings,
-            config.embedding_dim,
-            mode=config.pooling,
-            optimizer=config.optimizer,
-            lr=config.lr,
-            eps=config.eps,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-            optimizer_offloading=config.optimizer_offloading,
-            return_whole_row=config.return_whole_row,
-            dtype=config.data_type,
-            num_shards=config.num_shards,
-            init_range=(config.weight_init_min, config.weight_init_max),
-            seed=config.seed,
-            clock=clock,
-            device=device,
-            backend=backend,
-        )
+        return cls(**bag_arguments(config, clock=clock, device=device, backend=backend))
 
     @property
     def engine(self):
@@ -277,7 +234,7 @@ class KVEmbeddingBag(nn.Module):
         )
 
     def __deepcopy__(self, memo: dict) -> KVEmbeddingBag:
-        clone = type(self)(**self._config)
+        clone = type(self)(**self.config.arguments())
         memo[id(self)] = clone
         clone.train(self.training)
         clone.optimizer_step, clone.stats = self.optimizer_step, dict(self.stats)
@@ -553,7 +510,10 @@ class KVEmbeddingBagCollection(TableCollection):
     ) -> None:
         if isinstance(tables, Mapping):
             bags = dict(tables)
-            given = configs = [config_of(name, bag) for name, bag in bags.items()]
+            given = configs = [
+                bag.config.table(name, lr=bag.lr, eps=bag.eps, weight_decay=bag.weight_decay)
+                for name, bag in bags.items()
+            ]
         else:
             given, configs = table_configs(tables)
             names = [c.name for c in configs]

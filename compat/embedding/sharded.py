@@ -31,10 +31,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from leanstate._collection import TableCollection
-from leanstate._torchrec_shapes import KeyedTensor, KVTableConfig, table_configs, table_inputs
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.embedding import KVEmbeddingBag
+from leanstate.embedding._collection import TableCollection
+from leanstate.embedding._torchrec_shapes import KeyedTensor, KVTableConfig, table_configs, table_inputs
 from leanstate.reference.sharding import bucket_owner, bucket_range
 
 

@@ -15,7 +15,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from leanstate._torchrec_shapes import BatchShape, KeyedTensor, KVTableConfig, embedding_names, keyed_tensor
+from leanstate.embedding._torchrec_shapes import (
+    BatchShape,
+    KeyedTensor,
+    embedding_names,
+    keyed_tensor,
+)
 
 
 class Tables(nn.Module):
@@ -202,17 +207,6 @@ class TableCollection(nn.Module):
                 blocks.append(block)
                 dims.append(self.embedding_bags[table].embedding_dim)
         return keyed_tensor(self._embedding_names, dims, torch.cat(blocks, dim=1))
-
-
-def config_of(name: str, bag: nn.Module) -> KVTableConfig:
-    """The :class:`KVTableConfig` that builds a bag like ``bag`` (one feature, its table's name)."""
-    low, high = bag.store.init_range
-    return KVTableConfig(
-        name, bag.embedding_dim, bag.num_embeddings, pooling=bag.mode, data_type=bag.dtype,
-        optimizer=bag.optimizer, lr=bag.lr, eps=bag.eps, betas=bag.betas, weight_decay=bag.weight_decay,
-        optimizer_offloading=bag.optimizer_offloading, return_whole_row=bag.return_whole_row,
-        num_shards=bag.store.num_shards, weight_init_min=low, weight_init_max=high, seed=bag.store.seed,
-    )  # fmt: skip
 
 
 @functools.cache
