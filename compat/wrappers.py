@@ -11,32 +11,19 @@ from __future__ import annotations
 from torch import nn
 
 from leanstate import _backends
-from leanstate.reference.pinned_pool import PinnedMemoryPool
-from leanstate.reference.wrappers import DEFAULT_MIN_OFFLOAD_BYTES, OffloadWrapper
+from leanstate.reference.wrappers import OffloadWrapper
 
 
-def offload_wrapper(
-    module: nn.Module,
-    *,
-    pin_memory: bool | str = "auto",
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-    pinned_budget_bytes: int | None = None,
-    pool: PinnedMemoryPool | None = None,
-    backend: str | None = None,
-) -> OffloadWrapper:
+def offload_wrapper(module: nn.Module, *, backend: str | None = None, **options) -> OffloadWrapper:
     """Wrap ``module`` in an :class:`OffloadWrapper` whose copies use ``backend``'s copier
     (default: the import-time choice for ``offload``). A no-op for CPU activations.
+
+    ``options`` are the wrapper's keywords, written once there: ``pin_memory`` ("auto"),
+    ``min_offload_bytes`` (64 KiB), ``pinned_budget_bytes`` (None: no cap), ``pool``.
 
     Example::
 
         >>> model = offload_wrapper(model, pinned_budget_bytes=2**30)
     """
     _, implementation = _backends.resolve("offload", backend)
-    return OffloadWrapper(
-        module,
-        pin_memory=pin_memory,
-        min_offload_bytes=min_offload_bytes,
-        pinned_budget_bytes=pinned_budget_bytes,
-        pool=pool,
-        copier=implementation.Copier(),
-    )
+    return OffloadWrapper(module, copier=implementation.Copier(), **options)
