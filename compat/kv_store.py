@@ -225,7 +225,7 @@ class KVStore:
         if since is None:
             since = 0 if self._mark is None else self._mark.epoch
         else:
-            since = int_argument(since, "KVStore.changes: since (or None)", low=0)
+            since = int_argument(since, "KVStore.changes: since", low=0, must="an int >= 0 or None")
         return self._engine.changes_since(min(since, 2**62))
 
     @property
@@ -390,7 +390,9 @@ class KVStore:
     def keys_in_range(self, lo: int, hi: int) -> torch.Tensor:
         """Ids in ``[lo, hi)``, sorted ascending, as int64 (bounds are Python ints up to 2**63)."""
         lo, hi = (
-            int_argument(v, f"KVStore.keys_in_range: {n}", low=-(2**63), high=2**63)
+            int_argument(
+                v, f"KVStore.keys_in_range: {n}", low=-(2**63), high=2**63, must="an int in [-2**63, 2**63]"
+            )
             for n, v in (("lo", lo), ("hi", hi))
         )
         keys = self.keys()
@@ -452,7 +454,7 @@ class KVStore:
         """
         for name, value in (("min_count", min_count), ("max_age_s", max_age_s), ("max_rows", max_rows)):
             if value is not None:
-                int_argument(value, f"KVStore.evict: {name} (or None)", low=0)
+                int_argument(value, f"KVStore.evict: {name}", low=0, must="an int >= 0 or None")
         if min_l2_norm is not None and (
             isinstance(min_l2_norm, bool) or not isinstance(min_l2_norm, int | float) or not min_l2_norm >= 0
         ):

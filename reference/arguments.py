@@ -31,10 +31,17 @@ def is_int(value: object) -> bool:
 
 
 def int_argument(
-    value: object, name: str, *, low: int | None = None, high: int | None = None, error: type = ValueError
+    value: object,
+    name: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    error: type = ValueError,
+    must: str | None = None,
 ) -> int:
     """``value`` as an int in ``[low, high]`` (either bound may be None), or ``error``
-    naming ``name`` (prefix it with the method) and the range."""
+    naming ``name`` (prefix it with the method) and what it must be (``must``, e.g.
+    ``"a positive int"``; by default "an int" and the range)."""
     if is_int(value):
         number = operator.index(value)
         if (low is None or number >= low) and (high is None or number <= high):
@@ -45,4 +52,4 @@ def int_argument(
         bounds = f" >= {low}"
     else:
         bounds = "" if high is None else f" <= {high}"
-    raise error(f"{name} must be an int{bounds}; got {value!r}")
+    raise error(f"{name} must be {must or 'an int' + bounds}; got {value!r}")

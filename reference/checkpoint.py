@@ -531,7 +531,7 @@ def _checked_store(name: str, value: object) -> SupportsRows:
 
 
 def check_chunk_bytes(chunk_bytes: object) -> None:
-    int_argument(chunk_bytes, "chunk_bytes", low=1)
+    int_argument(chunk_bytes, "chunk_bytes", low=1, must="a positive int")
 
 
 def _is_whole(view: KVTensor) -> bool:

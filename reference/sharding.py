@@ -26,11 +26,12 @@ from leanstate.reference.arguments import int_argument
 
 
 def _check(world_size: int | None, total_num_buckets: int, bucket_size: int | None) -> None:
-    int_argument(total_num_buckets, "total_num_buckets", low=1)
+    int_argument(total_num_buckets, "total_num_buckets", low=1, must="a positive int")
     if bucket_size is not None:
-        int_argument(bucket_size, "bucket_size (or None: interleaved)", low=1)
+        int_argument(bucket_size, "bucket_size", low=1, must="a positive int or None (interleaved)")
     if world_size is not None:
-        int_argument(world_size, "world_size", low=1, high=total_num_buckets)
+        must = f"an int in [1, total_num_buckets={total_num_buckets}]"
+        int_argument(world_size, "world_size", low=1, high=total_num_buckets, must=must)
 
 
 def bucket_of(ids: torch.Tensor, *, total_num_buckets: int, bucket_size: int | None = None) -> torch.Tensor:
@@ -47,7 +48,7 @@ def bucket_of(ids: torch.Tensor, *, total_num_buckets: int, bucket_size: int | N
 def bucket_range(rank: int, world_size: int, total_num_buckets: int) -> tuple[int, int]:
     """The buckets ``[first, end)`` rank ``rank`` of ``world_size`` owns."""
     _check(world_size, total_num_buckets, None)
-    int_argument(rank, "rank", low=0, high=world_size - 1)
+    int_argument(rank, "rank", low=0, high=world_size - 1, must=f"in [0, world_size={world_size})")
     return -(-rank * total_num_buckets // world_size), -(-(rank + 1) * total_num_buckets // world_size)
 
 

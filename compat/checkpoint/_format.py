@@ -113,7 +113,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_chunk_bytes(method: str, chunk_bytes: object) -> None:
-    int_argument(chunk_bytes, f"{method}: chunk_bytes", low=1)
+    int_argument(chunk_bytes, f"{method}: chunk_bytes", low=1, must="a positive int")
 
 
 def row_bytes_of(rows: torch.Tensor) -> memoryview:
@@ -507,6 +507,9 @@ def check_layout(where: Path, name: str, table: dict, store: SupportsRows) -> No
         raise CheckpointError(f"table {name!r} in {where}: " + "; ".join(problems))
 
 
+INT64_BOUNDS = "an int in [-2**63, 2**63]"
+
+
 def check_id_range(id_range: object, method: str) -> tuple[int, int] | None:
     """``None`` or ``(lo, hi)``: integers with ``lo <= hi``, half-open, up to 2**63."""
     if id_range is None:
@@ -515,7 +518,7 @@ def check_id_range(id_range: object, method: str) -> tuple[int, int] | None:
         raise ValueError(f"{method}: id_range must be None or a pair (lo, hi); got {id_range!r}")
     lo, hi = id_range
     lo, hi = (
-        int_argument(v, f"{method}: id_range {n}", low=-(2**63), high=2**63)
+        int_argument(v, f"{method}: id_range {n}", low=-(2**63), high=2**63, must=INT64_BOUNDS)
         for n, v in (("lo", lo), ("hi", hi))
     )
     if lo > hi:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from leanstate.embedding._torchrec_shapes import KVTableConfig
+from leanstate.reference.arguments import int_argument
 from leanstate.reference.embedding import OPTIMIZERS
 
 
@@ -71,16 +72,15 @@ class BagConfig:
     backend: str | None
 
     def __post_init__(self) -> None:
-        num_embeddings, embedding_dim = self.num_embeddings, self.embedding_dim
-        if num_embeddings is not None and (
-            isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1
-        ):
-            raise ValueError(
-                f"KVEmbeddingBag: num_embeddings must be a positive int, or None for hashed ids; "
-                f"got {num_embeddings!r}"
-            )
-        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"KVEmbeddingBag: embedding_dim must be a positive int; got {embedding_dim!r}")
+        if self.num_embeddings is not None:  # (frozen: the checked ints replace what was passed)
+            must = "a positive int, or None for hashed ids"
+            number = int_argument(self.num_embeddings, "KVEmbeddingBag: num_embeddings", low=1, must=must)
+            object.__setattr__(self, "num_embeddings", number)
+        object.__setattr__(
+            self,
+            "embedding_dim",
+            int_argument(self.embedding_dim, "KVEmbeddingBag: embedding_dim", low=1, must="a positive int"),
+        )
         if self.mode not in ("sum", "mean"):
             raise ValueError(f"KVEmbeddingBag: mode must be 'sum' or 'mean'; got {self.mode!r}")
         if self.optimizer not in OPTIMIZERS:
