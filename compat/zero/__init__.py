@@ -4,7 +4,7 @@ The textbook is ``leanstate.reference.zero`` (partition, local step, one broadca
 parameter, gather, renumber); this is its hardened, faster form, held to it by the
 differential scenarios of ``tests/compat/test_zero.py`` (bit-identical parameters and
 state dicts), with bucket views, asynchronous and overlapped broadcasts, point-to-point
-consolidation (``leanstate._zero_consolidation``), trainability changes, clipping and
+consolidation (``leanstate.zero._consolidation``), trainability changes, clipping and
 ``Join``. The partition and the state-dict renumbering are the textbook's own pure
 functions.
 
@@ -48,8 +48,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from leanstate._zero_consolidation import gather_state_dicts
 from leanstate.reference.zero import global_state_dict, local_state_dict, partition
+from leanstate.zero._consolidation import gather_state_dicts
 
 
 def _trainable(param: torch.Tensor) -> bool:
