@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from leanstate import _backends
 from leanstate._tools.ranks import forked
 from leanstate.checkpoint import _chain as _checkpoint_chain
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
@@ -551,7 +552,7 @@ def test_a_chain_loads_in_bounded_memory(tmp_path):
     assert result["extra"] < rows * store.layout.row_bytes / 4, result
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "numba-cuda"])  # numba-cuda: the simulator's process
+@pytest.mark.parametrize("backend", sorted(_backends.available("kv_store")))  # numba-cuda: in the simulator
 def test_a_small_chain_round_trips_on_every_available_backend(tmp_path, backend):
     """Every registered store engine (numba-cuda in the CUDA simulator's own process):
     writes, deletes, an eviction and a training step between saves; the chain loads into
