@@ -574,3 +574,90 @@ def test_a_small_chain_round_trips_on_every_available_backend(tmp_path, backend)
         load_checkpoint(tmp_path / "c2", fresh.checkpoint_tables())
         assert torch.equal(fresh.store.keys().cpu(), store.keys().cpu())
         assert torch.equal(fresh.store.get_rows(store.keys()).cpu(), store.get_rows(store.keys()).cpu())
+
+
+def test_a_cycle_below_the_head_is_named_a_cycle(chain):
+    """d3 -> d2 -> d1 -> d2: the loop does not pass through the head."""
+    folder, store = chain
+    store.set(torch.tensor([5]), torch.ones(1, DIM + STATE))
+    save_checkpoint(folder / "d3", {"t": store}, base=folder / "d2")
+
+    def to_d2(manifest):
+        manifest["base"] = {"path": "../d2", "manifest_sha256": digest_of(folder / "d2")}
+
+    edit_manifest(folder / "d1", to_d2)
+    d1 = digest_of(folder / "d1")
+    edit_manifest(folder / "d2", lambda m: m["base"].update(manifest_sha256=d1))
+    d2 = digest_of(folder / "d2")
+    edit_manifest(folder / "d3", lambda m: m["base"].update(manifest_sha256=d2))
+    with pytest.raises(CheckpointError, match="a cycle"):
+        load_checkpoint(folder / "d3", {"t": new_store()})
+
+
+def test_a_link_of_another_version_is_refused(chain, tmp_path):
+    """A version-1 delta whose base was saved across ranks (version 2)."""
+    folder, _ = chain
+    sharded = KVStore(DIM, optimizer_state_dim=STATE, backend="reference")
+    sharded.set(torch.arange(5), torch.zeros(5, DIM + STATE))
+    import torch.distributed as dist
+
+    from leanstate.checkpoint._bucketed_table import BucketedTable
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        save_checkpoint(folder / "v2", {"t": BucketedTable(sharded, 4, None)}, process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    edit_manifest(
+        folder / "d1", lambda m: m["base"].update(path="../v2", manifest_sha256=digest_of(folder / "v2"))
+    )
+    d1 = digest_of(folder / "d1")
+    edit_manifest(folder / "d2", lambda m: m["base"].update(manifest_sha256=d1))
+    with pytest.raises(
+        CheckpointError, match=r"saved across ranks \(version 2\), the chain .* by one process"
+    ):
+        load_checkpoint(folder / "d2", {"t": new_store()})
+
+
+def test_links_of_different_layouts_are_refused_by_compaction_and_load(chain):
+    folder, _ = chain
+
+    def wider(manifest):  # a link of another layout, its rows file emptied to agree
+        table = manifest["tables"]["t"]
+        table.update(optimizer_state_dim=table["optimizer_state_dim"] + 4, width=table["width"] + 4)
+        table.update(row_bytes=table["width"] * 4, rows=0, bytes=0, min_id=None, max_id=None, chunks=[])
+
+    edit_manifest(folder / "d1", wider)
+    (folder / "d1" / "t.rows").write_bytes(b"")
+    d1 = digest_of(folder / "d1")
+    edit_manifest(folder / "d2", lambda m: m["base"].update(manifest_sha256=d1))
+    with pytest.raises(
+        CheckpointError, match=r"table 't' in .*d1/manifest.json was saved as .*; its base as"
+    ):
+        compact_checkpoint(folder / "d2", folder / "compacted")
+    with pytest.raises(CheckpointError, match="optimizer_state_dim"):
+        load_checkpoint(folder / "d2", {"t": new_store()})
+    wide = KVStore(DIM, optimizer_state_dim=STATE + 4, backend="reference")
+    with pytest.raises(CheckpointError, match="optimizer_state_dim"):
+        load_checkpoint(folder / "d2", {"t": wide})
+
+
+def test_a_table_missing_from_a_single_checkpoint_names_what_it_has(chain):
+    folder, _ = chain
+    with pytest.raises(CheckpointError, match=r"table 'u' is not in checkpoint .*base \(it has: t\)"):
+        load_checkpoint(folder / "base", {"u": new_store()})
+
+
+def test_a_chain_counts_a_read_only_view_and_refuses_a_writable_partial_one(chain):
+    from leanstate.reference.kv_tensor import KVTensor
+
+    folder, store = chain
+    state = KVTensor(store, width_offset=DIM, width=STATE, read_only=True)
+    save_checkpoint(folder / "d3", {"t": store, "t.state": state}, base=folder / "d2")
+    fresh = new_store()
+    view = KVTensor(fresh, width_offset=DIM, width=STATE, read_only=True)
+    load_checkpoint(folder / "d3", {"t": fresh, "t.state": view})
+    assert view.ignored_writes == len(store)
+    assert_same(store, fresh)
+    with pytest.raises(ValueError, match="writable partial view"):
+        load_checkpoint(folder / "d3", {"t.state": KVTensor(new_store(), width_offset=DIM, width=STATE)})
