@@ -3,6 +3,8 @@ process groups. Test files import from here, never from each other."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import io
 import json
@@ -114,6 +116,18 @@ def run_probe(script: str, *args: object, timeout: float = 600) -> dict:
 
 
 # -- ranks --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A gloo group of this process alone (an in-memory store, no port), destroyed after the
+    block; what the block's modules still hold of it is collected first."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, port: int, folder: str, module: str, names: list[str] | None) -> None:

@@ -204,7 +204,7 @@ def load_chain(
 
     def verify() -> None:
         for _, parts in plan:
-            for _ in merged(parts, slice_bytes):
+            for _ in merged(parts, slice_bytes, in_order=False):  # checked, not kept: no ordered copy
                 pass
 
     def apply(into_empty: bool) -> None:
@@ -255,7 +255,7 @@ def verify_chain(links: list[Link]) -> Iterator[Link]:
     first, once it passed."""
     for depth, link in enumerate(links):
         for name in link.manifest["tables"]:
-            for _ in merged(chain_parts(links[depth:], name, None)[-1:]):  # this link's own files
+            for _ in merged(chain_parts(links[depth:], name, None)[-1:], in_order=False):  # its own files
                 pass
         read_extra(link.path, link.manifest)
         yield link

@@ -391,7 +391,7 @@ def load_sharded(
             if len(parts) == 1:
                 verify_table(parts[0].path, parts[0].read, slice_bytes, count(parts[0].read))
             else:
-                for _ in _merge().merged(parts, slice_bytes):
+                for _ in _merge().merged(parts, slice_bytes, in_order=False):  # no ordered copy
                     pass
 
     def apply(into_empty: bool) -> None:

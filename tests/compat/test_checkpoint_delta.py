@@ -599,15 +599,11 @@ def test_a_link_of_another_version_is_refused(chain, tmp_path):
     folder, _ = chain
     sharded = KVStore(DIM, optimizer_state_dim=STATE, backend="reference")
     sharded.set(torch.arange(5), torch.zeros(5, DIM + STATE))
-    import torch.distributed as dist
-
     from leanstate.checkpoint._bucketed_table import BucketedTable
+    from tests.harness import one_rank_group
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        save_checkpoint(folder / "v2", {"t": BucketedTable(sharded, 4, None)}, process_group=dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+    with one_rank_group() as group:
+        save_checkpoint(folder / "v2", {"t": BucketedTable(sharded, 4, None)}, process_group=group)
     edit_manifest(
         folder / "d1", lambda m: m["base"].update(path="../v2", manifest_sha256=digest_of(folder / "v2"))
     )

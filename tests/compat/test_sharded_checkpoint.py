@@ -11,22 +11,19 @@ import json
 import crc32c
 import pytest
 import torch
-import torch.distributed as dist
 
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.checkpoint.sharded import last_load_stats, load_sharded
+from tests.harness import one_rank_group
 
 BUCKETS, BUCKET_SIZE = 8, 100  # ids 0..799: bucket = id // 100
 
 
 @pytest.fixture(scope="module")
 def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_group() as group:
+        yield group
 
 
 def filled(backend: str = "reference") -> KVStore:

@@ -10,7 +10,6 @@ chain at world 1 (links of two world sizes) and damages links.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import shutil
@@ -29,7 +28,7 @@ from leanstate import (
     save_checkpoint,
 )
 from tests.compat.sharded_models import G, configs, local_batch, upstream
-from tests.harness import run_world
+from tests.harness import one_rank_group, run_world
 
 CHUNK = 5 * 48  # five rows of the exact table a chunk: a bucket holds several chunks
 BUCKETS = 4  # the exact table's 64 ids in buckets of 16, the hashed table's interleaved
@@ -115,12 +114,8 @@ SCENARIOS = {"save": save_chain}
 
 @pytest.fixture(scope="module")
 def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        gc.collect()  # the modules built here hold the group: gone before it is destroyed
-        dist.destroy_process_group()
+    with one_rank_group() as group:
+        yield group
 
 
 @pytest.fixture(scope="module")

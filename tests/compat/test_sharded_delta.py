@@ -11,7 +11,6 @@ change no store, empty or live.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import random
@@ -32,7 +31,7 @@ from leanstate import (
 )
 from leanstate.reference.kv_store import ChangeMark
 from tests.compat.sharded_models import G, configs, global_batch, local_batch, upstream
-from tests.harness import run_world
+from tests.harness import one_rank_group, run_world
 
 DELTAS = 3  # each history: a full checkpoint c0, then deltas d1..d3
 HEAD = f"d{DELTAS}"
@@ -341,12 +340,8 @@ RUNS = [  # in order, after this process saved s1 at world 1
 
 @pytest.fixture(scope="module")
 def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        gc.collect()  # the modules built here hold the group: gone before it is destroyed
-        dist.destroy_process_group()
+    with one_rank_group() as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
