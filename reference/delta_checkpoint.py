@@ -52,10 +52,14 @@ from leanstate.reference.checkpoint import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
+    body_problem,
     check_chunk_bytes,
     check_layout,
+    ends_problem,
+    is_json_int,
     manifest_problem,
     mark_loaded,
+    missing_key,
     open_regular,
     overlaps,
     publish,
@@ -77,6 +81,7 @@ from leanstate.reference.row_format import RowLayout, header_words
 DELTA_FORMAT = "leanstate-whole-row-delta"
 MAX_CHAIN_LINKS = 1000  # the full checkpoint is at most this link, the head being the first
 MAX_BASE_PATH_BYTES = 4096  # PATH_MAX on Linux
+REMOVED_KEYS = ("file", "ids", "bytes", "min_id", "max_id", "crc")  # D5: all required
 _USED = torch.iinfo(torch.int64).min  # bit 63 of the header's metadata word
 
 
@@ -112,9 +117,9 @@ def save_checkpoint(
     check_chunk_bytes(chunk_bytes)
     whole, views = split_tables(tables)
     extra_bytes = None if extra is None else serialise_extra(extra)
-    base_bytes, base_manifest = read_manifest(base, link_problem)
-    base_digest = hashlib.sha256(base_bytes).hexdigest()
-    _check_base(path, base, whole, base_manifest, base_digest)
+    links = read_chain(base)  # every link's manifest (D7 needs them all), no data file
+    base_digest = links[0].digest
+    _check_base(path, base, whole, links)
     temporary = staging_directory(path)
     # each epoch ends before any row is read: a write during the save is in the next delta too
     epochs = {id(store): (store, store.next_epoch()) for store in whole.values()}
@@ -142,9 +147,11 @@ def save_checkpoint(
     return path
 
 
-def _check_base(path: Path, base: Path, whole: dict[str, SupportsRows], manifest: dict, digest: str) -> None:
-    """A delta of ``whole`` against ``base`` describes the stores only if they are exactly
-    ``base``'s tables and each store's change mark is at ``base``."""
+def _check_base(path: Path, base: Path, whole: dict[str, SupportsRows], links: list[Link]) -> None:
+    """A delta of ``whole`` against ``base`` (the first of ``links``, its chain) describes the
+    stores only if they are exactly ``base``'s tables and each store's change mark is at
+    ``base``; ``path`` lies outside the chain (D7)."""
+    manifest, digest = links[0].manifest, links[0].digest
     for name, store in whole.items():
         if name not in manifest["tables"]:
             raise ValueError(
@@ -160,9 +167,21 @@ def _check_base(path: Path, base: Path, whole: dict[str, SupportsRows], manifest
     unsaved = [name for name in manifest["tables"] if name not in whole]
     if unsaved:
         raise ValueError(f"save_checkpoint: the base {base} has tables {unsaved} that are not saved")
-    target, source = os.path.realpath(path), os.path.realpath(base)
-    if os.path.commonpath([target, source]) in (target, source):
-        raise ValueError(f"save_checkpoint: path {path} is the base {base}, inside it or holds it")
+    check_outside_chain(path, links, "save_checkpoint: path")
+
+
+def check_outside_chain(path: Path, links: list[Link], what: str) -> None:
+    """D7: ``path`` (a save's or a compaction's destination) is not a link of the chain
+    ``links``, inside one or holding one, since replacing it would delete that link."""
+    target = os.path.realpath(path)
+    for link in links:
+        held = os.path.realpath(link.path)
+        if os.path.commonpath([target, held]) in (target, held):
+            role = "the base," if link is links[0] else f"{link.path}, a link of the base's chain,"
+            raise ValueError(
+                f"{what} {path} is {role} lies inside it or holds it (replacing it would destroy"
+                " that link): save to another directory, or save a full checkpoint to start a new chain"
+            )
 
 
 def _write_removed(file: Path, ids: list[int]) -> dict:
@@ -315,14 +334,22 @@ def _read_removed(path: Path, name: str, removed: dict, row_ids: set[int]) -> li
 
 
 def compact_checkpoint(
-    src: str | os.PathLike, dst: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write the rows of the chain at ``src`` as one full checkpoint at ``dst``, byte for byte
     what a full save of stores holding those rows writes, with the head's views and its
-    ``extra.pt`` copied as they are. Every link is checked as a load checks it."""
+    ``extra.pt`` copied as they are. Every link is checked as a load checks it. ``dst`` may
+    not exist unless ``overwrite``, and is never a link of the chain (D7)."""
     src, dst = Path(src), Path(dst)
     check_chunk_bytes(chunk_bytes)
     links = read_chain(src)
+    check_outside_chain(dst, links, "compact_checkpoint: dst")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ValueError(f"compact_checkpoint: dst {dst} exists; pass overwrite=True to replace it")
     head = links[0].manifest
     layouts = {}
     for name, table in head["tables"].items():
@@ -370,28 +397,26 @@ def link_problem(manifest: object) -> str | None:
 
 
 def delta_manifest_problem(manifest: object) -> str | None:
-    """The first rule of a delta's manifest that ``manifest`` breaks (D1, D2 and D5, and a full
-    manifest's R3-R8 for its tables, views and extra), in words, or None."""
+    """The first rule of a delta's manifest that ``manifest`` breaks (D1 first, then D2, a full
+    manifest's R3-R8 for its tables, views and extra, and D5), in words, or None."""
     if not isinstance(manifest, dict):
         return "the manifest must be a JSON object"
-    missing = [
-        key for key in ("format", "version", "base", "tables", "views", "extra") if key not in manifest
-    ]
-    if missing:
-        return f"the key {missing[0]!r} is missing"
+    missing = missing_key(manifest, ("format", "version"))  # D1: these two before any other key
+    if missing is not None:
+        return f"the key {missing!r} is missing"
     if manifest["format"] != DELTA_FORMAT:
         return f"format {manifest['format']!r} is neither {DELTA_FORMAT!r} nor {FORMAT_NAME!r}"
-    if not _is_int(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
+    if not is_json_int(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
         return f"version must be the JSON integer {FORMAT_VERSION}; got {manifest['version']!r}"
-    problem = _base_problem(manifest["base"])
-    if problem is not None:
-        return problem
-    # its tables, views and extra follow a full manifest's rules; "removed" is a key those ignore
-    problem = manifest_problem({**manifest, "format": FORMAT_NAME})
+    if "base" not in manifest:
+        return "the key 'base' is missing"
+    problem = _base_problem(manifest["base"]) or body_problem(manifest, delta=True)
     if problem is not None:
         return problem
     for name, table in manifest["tables"].items():
-        problem = _removed_problem(name, table.get("removed"))
+        if "removed" not in table:
+            return f"tables[{name!r}].removed is missing (each table of a delta lists its removed ids, D5)"
+        problem = _removed_problem(name, table["removed"])
         if problem is not None:
             return f"tables[{name!r}].removed: {problem}"
     return None
@@ -417,25 +442,22 @@ def _base_problem(base: object) -> str | None:
 
 
 def _removed_problem(name: str, removed: object) -> str | None:
-    """D5, in the manifest: the entry of table ``name``'s removed ids."""
+    """D5, in the manifest: the entry of table ``name``'s removed ids, every key required."""
     if not isinstance(removed, dict):
         return "must be an object"
-    if removed.get("file") != f"{name}.removed":
-        return f"file must be {name + '.removed'!r}; got {removed.get('file')!r}"
-    if not (_is_int(removed.get("ids")) and _is_int(removed.get("bytes"))):
+    missing = missing_key(removed, REMOVED_KEYS)
+    if missing is not None:
+        return f"the key {missing!r} is missing"
+    if removed["file"] != f"{name}.removed":
+        return f"file must be {name + '.removed'!r}; got {removed['file']!r}"
+    if not (is_json_int(removed["ids"]) and is_json_int(removed["bytes"])):
         return "ids and bytes must be JSON integers >= 0"
     if removed["bytes"] != 8 * removed["ids"]:
         return f"bytes is {removed['bytes']}, not 8 x ids = {8 * removed['ids']}"
-    ends = (removed.get("min_id"), removed.get("max_id"))
-    if removed["ids"] == 0 and ends != (None, None):
-        return "min_id and max_id must be null when ids is 0"
-    if removed["ids"] > 0 and not (_is_int(ends[0]) and _is_int(ends[1])):
-        return "min_id and max_id must be ids in [0, 2**63)"
-    if not _is_int(removed.get("crc"), 0, 2**32):
+    if not is_json_int(removed["crc"], 0, 2**32):
         return "crc must be an unsigned 32-bit JSON integer"
+    if removed["ids"] == 0:
+        return ends_problem(removed, None)
+    if not (is_json_int(removed["min_id"]) and is_json_int(removed["max_id"])):
+        return "min_id and max_id must be ids in [0, 2**63)"
     return None
-
-
-def _is_int(value: object, low: int = 0, high: int = 2**63) -> bool:
-    """A JSON integer in ``[low, high)``: not a bool, not a float such as 0.0."""
-    return type(value) is int and low <= value < high

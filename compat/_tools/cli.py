@@ -76,7 +76,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _compact(args: argparse.Namespace) -> int:
     try:
-        leanstate.compact_checkpoint(args.source, args.target, chunk_bytes=args.chunk_bytes)
+        leanstate.compact_checkpoint(
+            args.source, args.target, chunk_bytes=args.chunk_bytes, overwrite=args.force
+        )
     except (leanstate.CheckpointError, OSError, ValueError, TypeError) as exc:
         print(f"compact: {args.source} -> {args.target} failed: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -218,6 +220,7 @@ def _add_compact(commands) -> None:
     compact.add_argument(
         "--chunk-bytes", type=int, default=64 * 2**20, help="chunk size of the written file (default 64 MiB)"
     )
+    compact.add_argument("--force", action="store_true", help="replace the target if it exists")
     compact.set_defaults(run=_compact)
 
 

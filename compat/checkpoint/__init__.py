@@ -233,14 +233,20 @@ def load_checkpoint(
 
 
 def compact_checkpoint(
-    src: str | os.PathLike, dst: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Merge the delta chain at ``src`` into one full checkpoint at ``dst``, streaming.
 
     Every link is checked as a load checks it; ``dst`` is written atomically, as a save
     is, and holds exactly the bytes a full save (with the same ``chunk_bytes``) of stores
     holding the chain's rows would: for each id the newest link that names it decides.
-    The head's views and extra state are kept. A chain saved across ranks (version 2)
+    The head's views and extra state are kept. An existing ``dst`` is refused unless
+    ``overwrite`` (then it must be a checkpoint, and it is replaced atomically); ``dst`` is
+    never a link of the chain, inside one or holding one (``ValueError``). A chain saved across ranks (version 2)
     compacts here too, in one process, into a full version-2 checkpoint at the head's
     world size: byte for byte that save (``spec/sharding.md``). Returns ``dst``.
 
@@ -252,7 +258,11 @@ def compact_checkpoint(
     if not isinstance(src, str | os.PathLike):
         raise TypeError(f"{method}: src must be a str or os.PathLike; got {type(src).__name__}")
     check_chunk_bytes(method, chunk_bytes)
-    return _delta_chains().compact(Path(src), dst, chunk_bytes=chunk_bytes, method=method)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{method}: overwrite must be True or False; got {overwrite!r}")
+    return _delta_chains().compact(
+        Path(src), dst, chunk_bytes=chunk_bytes, overwrite=overwrite, method=method
+    )
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:

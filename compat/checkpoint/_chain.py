@@ -198,7 +198,7 @@ def load_chain(
                 "the store, a whole-row KVTensor, or pass the view read-only"
             )
         plan.append((target, chain_parts(links, target.name, target.store, id_range)))
-    extra = read_extra(head.path, head.manifest)  # checked before any row is applied
+    extra = chain_extra(links)  # every link's checked before any row is applied
     slice_bytes = min(chunk_bytes, SLICE_BYTES)
     keep = None if id_range is None else (lambda ids: in_range(ids, id_range))
 
@@ -235,6 +235,32 @@ def load_chain(
     return extra
 
 
+def chain_extra(links: list[Link]) -> dict[str, object]:
+    """R11 on every link (a base's or middle link's extra state is checked as the head's is,
+    though only the head's is returned); the head's extra state."""
+    for link in links[1:]:
+        read_extra(link.path, link.manifest)
+    return read_extra(links[0].path, links[0].manifest)
+
+
+def check_outside_chain(path: Path, links: list[Link], what: str, head: str = "the base") -> None:
+    """D7: ``path``, where a save or compaction will publish, is not a link of ``links``, inside
+    one or holding one (publishing replaces ``path``, which would delete that link). ``head``:
+    what ``links[0]`` is to the caller (a delta's base, or the chain being compacted)."""
+    target = os.path.realpath(path)
+    for link in links:
+        taken = os.path.realpath(link.path)
+        common = os.path.commonpath([target, taken])
+        if common in (target, taken):
+            relation = "is" if target == taken else "lies inside" if common == taken else "holds"
+            role = head if link is links[0] else f"{link.path}, a link of the chain from {head}"
+            raise ValueError(
+                f"{what} {path} {relation} {role}: publishing there would destroy the chain from "
+                f"{links[0].path}; choose another directory (to reuse slots, save a full checkpoint into "
+                "the slot, or compact the chain first)"
+            )
+
+
 def mark_loaded(stores: list[SupportsRows], digest: str) -> None:
     """After a load into stores that were all empty (none named twice): each now is the
     checkpoint of ``digest`` (its share of it, across ranks), so deltas can follow it. Any
@@ -264,21 +290,23 @@ def verify_chain(links: list[Link]) -> Iterator[Link]:
 # -- compaction ---------------------------------------------------------------------------
 
 
-def compact(src: Path, dst: Path, *, chunk_bytes: int, method: str) -> Path:
+def compact(src: Path, dst: Path, *, chunk_bytes: int, overwrite: bool, method: str) -> Path:
     """Merge the chain at ``src`` into one full checkpoint at ``dst`` of the chain's version
     (see ``leanstate.compact_checkpoint``)."""
     links = read_chain(src, method)
     dst = checked_target(dst, method)
-    taken = {os.path.realpath(link.path) for link in links}
-    if os.path.realpath(dst) in taken or any(os.path.realpath(dst).startswith(t + os.sep) for t in taken):
-        raise ValueError(f"{method}: dst {dst} is a link of the chain being compacted (or inside one)")
+    check_outside_chain(dst, links, f"{method}: dst", f"the head of the chain being compacted ({src})")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:  # an empty directory is free, as for convert
+        raise ValueError(
+            f"{method}: dst {dst} exists; pass overwrite=True (leanstate compact --force) to replace it"
+        )
     if links[0].version == 2:  # across ranks: one file per rank of the head's world size
         from leanstate.checkpoint.sharded import compact_sharded
 
         return compact_sharded(links, dst, chunk_bytes=chunk_bytes, method=method)
     head = links[0]
     parts = {name: chain_parts(links, name, None) for name in head.manifest["tables"]}
-    read_extra(head.path, head.manifest)  # checked as a load checks it
+    chain_extra(links)  # checked as a load checks it
     extra_bytes = read_extra_bytes(head.path, head.manifest)
     with staged(dst, method) as staging:
         manifest = {
@@ -382,19 +410,16 @@ def save_delta(
     if not isinstance(base, str | os.PathLike):
         raise TypeError(f"{method}: base must be the path of a checkpoint (str or os.PathLike); got {base!r}")
     base = Path(base)
-    try:
-        version, base_manifest, digest = read_manifest_and_digest(base)
-    except FileNotFoundError as exc:
-        raise ValueError(f"{method}: base={str(base)!r} is not a checkpoint ({exc})") from exc
-    if version == 2:
+    links = base_chain(base, method)
+    if links[0].version == 2:
         raise ValueError(f"{method}: base {base} was saved across ranks; save its delta with process_group=")
     stores = {name: target.store for name, target in whole.items()}
-    saved = base_manifest["tables"]
+    saved, digest = links[0].manifest["tables"], links[0].digest
 
     def matches(name: str) -> None:
         check_layout(base / saved[name]["file"], name, saved[name], stores[name])
 
-    check_delta_base(path, base, digest, saved, stores, matches, f"{method}: ")
+    check_delta_base(path, links, stores, matches, f"{method}: ")
     epochs, changes = {}, {}
     for name, target in whole.items():  # before any row is read: later writes go to the next delta
         epochs[name] = target.store.next_epoch()
@@ -434,24 +459,28 @@ def save_delta(
     return path
 
 
+def base_chain(base: Path, method: str) -> list[Link]:
+    """The chain a delta saved against ``base`` extends, head (``base``) first: the manifests
+    alone (D7 needs every link), each checked; a missing ``base`` is a ``ValueError``."""
+    try:
+        return read_chain(base, method)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{method}: base={str(base)!r} is not a checkpoint ({exc})") from exc
+
+
 def check_delta_base(
     path: Path,
-    base: Path,
-    digest: str,
-    saved: dict,
+    links: list[Link],
     stores: Mapping[str, SupportsRows],
     matches: Callable[[str], None],
     prefix: str = "",
 ) -> None:
-    """What a delta of ``stores`` at ``path`` needs of its base (its manifest's SHA-256
-    ``digest`` and ``saved`` tables): a path beside it, the base's tables, each matching
+    """What a delta of ``stores`` at ``path`` needs of its base (``links[0]``, whose chain is
+    ``links``): a path outside that chain (D7), the base's tables, each matching
     (``matches(name)`` raises :class:`CheckpointError` if not) and each store's change mark
     at the base. A ``ValueError`` (after ``prefix``) names the first table that fails."""
-    resolved, base_resolved = os.path.realpath(path), os.path.realpath(base)
-    if resolved == base_resolved or resolved.startswith(base_resolved + os.sep):
-        raise ValueError(
-            f"{prefix}path {path} is the base checkpoint (or inside it): save the delta beside it"
-        )
+    base, digest, saved = links[0].path, links[0].digest, links[0].manifest["tables"]
+    check_outside_chain(path, links, f"{prefix}path")
     if set(stores) != set(saved):
         raise ValueError(
             f"{prefix}a delta saves the tables of its base; base {base} has {sorted(saved)}, "

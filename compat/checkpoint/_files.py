@@ -43,7 +43,7 @@ from leanstate.checkpoint._format import (
     manifest_v2_problem,
     saved_across_ranks,
 )
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint import MAX_DEPTH, MAX_INT_DIGITS, CheckpointError
 
 
 def fsync_dir(path: Path) -> None:
@@ -170,11 +170,40 @@ def parse_manifest(file: Path) -> tuple[object, str]:
     with open_regular(file, "manifest") as f:
         text = f.read()
     try:  # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32), no BOM
-        parsed = json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        parsed = json.loads(
+            text.decode("utf-8"),
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_int=_bounded_int,
+        )
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{file}: not valid JSON ({type(exc).__name__}: {message})") from exc
+    if _nesting(parsed) > MAX_DEPTH:
+        raise CheckpointError(f"{file}: not valid JSON for the format: nested more than {MAX_DEPTH} deep")
     return parsed, hashlib.sha256(text).hexdigest()
+
+
+def _bounded_int(digits: str) -> int:
+    """R2's integer limit, the same in every interpreter (CPython's default, which a setting can move)."""
+    count = len(digits) - digits.startswith("-")
+    if count > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {count} digits; the format allows at most {MAX_INT_DIGITS}")
+    return int(digits)
+
+
+def _nesting(value: object) -> int:
+    """The depth of arrays and objects in a parsed JSON value (``[]`` is 1), level by level:
+    no recursion, so no limit of its own."""
+    depth, level = 0, [value]
+    while True:
+        containers = [item for item in level if isinstance(item, dict | list)]
+        if not containers:
+            return depth
+        depth += 1
+        level = [
+            child for item in containers for child in (item.values() if isinstance(item, dict) else item)
+        ]
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -265,15 +294,15 @@ def read_extra_bytes(path: Path, manifest: dict) -> bytes | None:
                 "manifest does not describe this checkpoint"
             )
         return None
-    if isinstance(extra, str):  # the form written before extra had a CRC: no size or CRC to check
-        extra = {"file": extra}
-    file = path / extra["file"]
+    # the bare "extra.pt", written before extra had a size and CRC, carries neither to check
+    expected, crc = (None, None) if isinstance(extra, str) else (extra["bytes"], extra["crc"])
+    file = path / EXTRA_FILE
     with open_regular(file, "extra state file") as f:
         size = os.fstat(f.fileno()).st_size
-        if "bytes" in extra and size != extra["bytes"]:  # checked before reading: no allocation
-            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {extra['bytes']}")
+        if expected is not None and size != expected:  # checked before reading: no allocation
+            raise CheckpointError(f"{file} has {size} bytes, the manifest expects {expected}")
         data = f.read()
-    if "bytes" in extra and crc32c.crc32c(data) != extra["crc"]:  # (the bare form carries no CRC)
+    if crc is not None and crc32c.crc32c(data) != crc:
         raise CheckpointError(f"{file} fails its crc32c check; the file is corrupt")
     return data
 

@@ -20,7 +20,19 @@ import torch
 
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.reference.arguments import int_argument
-from leanstate.reference.checkpoint import EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
+from leanstate.reference.checkpoint import (
+    CHUNK_KEYS,
+    EXTRA_FILE,
+    EXTRA_KEYS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    TABLE_KEYS,
+    TOP_KEYS,
+    VIEW_KEYS,
+    CheckpointError,
+)
+from leanstate.reference.delta_checkpoint import REMOVED_KEYS
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
@@ -175,22 +187,82 @@ def plain_name(value: object) -> bool:
     return isinstance(value, str) and value == Path(value).name and value not in ("", ".", "..")
 
 
-def table_problem(key: str, table: object, file: str | None = None) -> str | None:
-    """The first way ``table`` breaks the manifest schema (naming its key), or None.
-
-    ``file``: the name its ``file`` must have (version 1: ``NAME.rows``); ``None`` where
-    the entry lists its files elsewhere (version 2)."""
+def table_problem(key: str, table: object, file: str) -> str | None:
+    """The first way a version-1 ``table`` breaks the manifest schema (naming its key), or
+    None. ``file``: the name its ``file`` must have (``NAME.rows``)."""
     if not isinstance(table, dict):
         return f"{key} must be an object"
-    for field in ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows", "bytes"):
-        if not is_count(table.get(field)):
-            return f"{key}.{field} must be an int >= 0; got {table.get(field)!r}"
-    if file is not None and table.get("file") != file:
-        return f"{key}.file must be {file!r} (a plain name inside the checkpoint); got {table.get('file')!r}"
-    if table.get("dtype") not in DTYPES:
-        return f"{key}.dtype must be one of {sorted(DTYPES)}; got {table.get('dtype')!r}"
-    if table.get("checksum") not in CHECKSUMS:
-        return f"{key}.checksum must be one of {sorted(CHECKSUMS)}; got {table.get('checksum')!r}"
+    problem = absent_key(key, table, TABLE_KEYS)
+    if problem is not None:
+        return problem
+    if not is_count(table["bytes"]):
+        return f"{key}.bytes must be an int >= 0; got {table['bytes']!r}"
+    if table["file"] != file:
+        return f"{key}.file must be {file!r} (a plain name inside the checkpoint); got {table['file']!r}"
+    problem = layout_problem(key, table)
+    if problem is not None:
+        return problem
+    layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
+    if table["bytes"] != table["rows"] * layout.row_bytes:
+        return f"{key}.bytes is {table['bytes']}, not rows x row_bytes = {table['rows'] * layout.row_bytes}"
+    chunks = table["chunks"]
+    if not isinstance(chunks, list):
+        return f"{key}.chunks must be a list"
+    offset, rows, last_id = 0, 0, -1
+    for i, chunk in enumerate(chunks):
+        where = f"{key}.chunks[{i}]"
+        if not isinstance(chunk, dict):
+            return f"{where} must be an object"
+        problem = absent_key(where, chunk, CHUNK_KEYS)
+        if problem is not None:
+            return problem
+        if not (is_count(chunk["rows"]) and chunk["rows"] > 0):
+            return f"{where}.rows must be an int > 0; got {chunk['rows']!r}"
+        if not is_count(chunk["offset"]) or chunk["offset"] != offset:
+            return f"{where}.offset is {chunk['offset']!r}; the chunks must be contiguous, so it must be {offset}"
+        for field in ("min_id", "max_id"):
+            if not is_id(chunk[field]):
+                return f"{where}.{field} must be an id in [0, 2**63); got {chunk[field]!r}"
+        if not last_id < chunk["min_id"] <= chunk["max_id"]:
+            return (
+                f"{where}: ids must ascend across chunks (min_id {chunk['min_id']}, max_id {chunk['max_id']})"
+            )
+        if not is_crc(chunk["crc"]):
+            return f"{where}.crc must be an unsigned 32-bit int; got {chunk['crc']!r}"
+        offset += chunk["rows"] * layout.row_bytes
+        rows += chunk["rows"]
+        last_id = chunk["max_id"]
+    if rows != table["rows"]:
+        return f"{key}.chunks hold {rows} rows; the table says {table['rows']}"
+    if not chunks:
+        return id_ends_problem(key, table, None)
+    return id_ends_problem(key, table, (chunks[0]["min_id"], chunks[-1]["max_id"]))
+
+
+LAYOUT_KEYS = (
+    "dim",
+    "optimizer_state_dim",
+    "dtype",
+    "header_elems",
+    "width",
+    "row_bytes",
+    "rows",
+    "checksum",
+)
+
+
+def layout_problem(key: str, table: dict) -> str | None:
+    """R3 and R5 for a table's layout keys (either version): present, typed, and
+    ``header_elems``, ``width`` and ``row_bytes`` what ``dim``, the state and ``dtype`` give."""
+    problem = absent_key(key, table, LAYOUT_KEYS)
+    if problem is not None:
+        return problem
+    for field in ("dim", "optimizer_state_dim", "header_elems", "width", "row_bytes", "rows"):
+        if not is_count(table[field]):
+            return f"{key}.{field} must be an int >= 0; got {table[field]!r}"
+    for field, known in (("dtype", DTYPES), ("checksum", CHECKSUMS)):
+        if not isinstance(table[field], str) or table[field] not in known:
+            return f"{key}.{field} must be one of {sorted(known)}; got {table[field]!r}"
     try:
         layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
     except ValueError as exc:
@@ -199,42 +271,28 @@ def table_problem(key: str, table: object, file: str | None = None) -> str | Non
     for field, value in derived.items():
         if table[field] != value:
             return f"{key}.{field} is {table[field]}, but dim, optimizer_state_dim and dtype give {value}"
-    if table["bytes"] != table["rows"] * layout.row_bytes:
-        return f"{key}.bytes is {table['bytes']}, not rows x row_bytes = {table['rows'] * layout.row_bytes}"
-    chunks = table.get("chunks")
-    if not isinstance(chunks, list):
-        return f"{key}.chunks must be a list"
-    offset, rows, last_id = 0, 0, -1
-    for i, chunk in enumerate(chunks):
-        where = f"{key}.chunks[{i}]"
-        if not isinstance(chunk, dict):
-            return f"{where} must be an object"
-        if not (is_count(chunk.get("rows")) and chunk["rows"] > 0):
-            return f"{where}.rows must be an int > 0; got {chunk.get('rows')!r}"
-        if not is_count(chunk.get("offset")) or chunk["offset"] != offset:
-            return f"{where}.offset is {chunk.get('offset')!r}; the chunks must be contiguous, so it must be {offset}"
-        for field in ("min_id", "max_id"):
-            if not is_id(chunk.get(field)):
-                return f"{where}.{field} must be an id in [0, 2**63); got {chunk.get(field)!r}"
-        if not last_id < chunk["min_id"] <= chunk["max_id"]:
-            return (
-                f"{where}: ids must ascend across chunks (min_id {chunk['min_id']}, max_id {chunk['max_id']})"
-            )
-        if not is_crc(chunk.get("crc")):
-            return f"{where}.crc must be an unsigned 32-bit int; got {chunk.get('crc')!r}"
-        offset += chunk["rows"] * layout.row_bytes
-        rows += chunk["rows"]
-        last_id = chunk["max_id"]
-    if rows != table["rows"]:
-        return f"{key}.chunks hold {rows} rows; the table says {table['rows']}"
-    first = chunks[0]["min_id"] if chunks else None
-    last = chunks[-1]["max_id"] if chunks else None
-    if (table.get("min_id"), table.get("max_id")) != (first, last):
-        return f"{key}.min_id/max_id must be the first and last chunk's ({first}, {last})"
     return None
 
 
-REQUIRED_KEYS = ("format", "version", "tables", "views", "extra")
+def absent_key(key: str, entry: dict, required: tuple[str, ...]) -> str | None:
+    """R3: every listed key is present (read with ``[]`` afterwards, never ``.get``)."""
+    missing = next((field for field in required if field not in entry), None)
+    return None if missing is None else f"{key}: the required key {missing!r} is missing"
+
+
+def id_ends_problem(key: str, entry: dict, ends: tuple[int, int] | None) -> str | None:
+    """R7 and D5: ``min_id``/``max_id`` are the ids ``ends`` (ids: ``1.0`` and ``true`` are
+    not, though Python compares them equal), or both null where ``ends`` is None."""
+    found = (entry["min_id"], entry["max_id"])
+    if ends is None:
+        return (
+            None
+            if found == (None, None)
+            else f"{key}.min_id/max_id must be null (nothing listed); got {found}"
+        )
+    if not (is_id(found[0]) and is_id(found[1]) and found == ends):
+        return f"{key}.min_id/max_id must be the first and last chunk's ids {ends}; got {found}"
+    return None
 
 
 def saved_across_ranks(manifest: object) -> bool:
@@ -246,9 +304,9 @@ def manifest_problem(manifest: object) -> str | None:
     """The first way ``manifest`` breaks the schema of ``spec/checkpoint_format.md``, or None."""
     if not isinstance(manifest, dict):
         return "the manifest must be a JSON object"
-    missing = [key for key in REQUIRED_KEYS if key not in manifest]
-    if missing:
-        return f"the required key {missing[0]!r} is missing"
+    problem = absent_key("manifest", manifest, ("format", "version"))  # R3: these two first
+    if problem is not None:
+        return problem
     if manifest["format"] != FORMAT_NAME:
         return f"format {manifest['format']!r} is not {FORMAT_NAME!r}"
     if saved_across_ranks(manifest):
@@ -262,11 +320,24 @@ def manifest_problem(manifest: object) -> str | None:
             f"format version {manifest['version']!r} is not supported "
             f"(this leanstate reads the JSON integer {FORMAT_VERSION})"
         )
+    if "base" in manifest:
+        return delta_key_problem("base")
+    problem = absent_key("manifest", manifest, TOP_KEYS)
+    if problem is not None:
+        return problem
     tables = manifest["tables"]
     problem = tables_problem(tables, removed=False)
     if problem is not None:
         return problem
     return views_problem(manifest["views"], tables) or extra_problem(manifest["extra"])
+
+
+def delta_key_problem(key: str) -> str:
+    """R12: a delta's own key found in a manifest whose format is the full one."""
+    return (
+        f"{key} is a key of a delta ({DELTA_FORMAT!r}), but the format is {FORMAT_NAME!r}: a full "
+        "checkpoint has none (its base's rows would be lost); the manifest was altered"
+    )
 
 
 def tables_problem(tables: object, *, removed: bool) -> str | None:
@@ -279,7 +350,11 @@ def tables_problem(tables: object, *, removed: bool) -> str | None:
         problem = table_name_problem(name)
         problem = f"{key}: the name {problem}" if problem else table_problem(key, table, f"{name}.rows")
         if problem is None and removed:
-            problem = removed_problem(f"{key}.removed", table.get("removed"), name)
+            problem = absent_key(key, table, ("removed",)) or removed_problem(
+                f"{key}.removed", table["removed"], name
+            )
+        elif problem is None and "removed" in table:
+            problem = delta_key_problem(f"{key}.removed")
         if problem is not None:
             return problem
     return None
@@ -291,27 +366,36 @@ def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str |
     missing = [key for key in ("format", "version", "world_size", "tables", "extra") if key not in manifest]
     if missing:
         return f"the required key {missing[0]!r} is missing"
-    if manifest.get("format") != format_name:
-        return f"format is {manifest.get('format')!r}, not {format_name!r}"
-    if not isinstance(manifest.get("tables"), dict):
+    if manifest["format"] != format_name:
+        return f"format is {manifest['format']!r}, not {format_name!r}"
+    full = format_name == FORMAT_NAME
+    if full and "base" in manifest:
+        return delta_key_problem("base")
+    if not isinstance(manifest["tables"], dict):
         return "'tables' must be an object"
     problem = extra_problem(manifest["extra"])
     if problem is not None:
         return problem
     for name, table in manifest["tables"].items():
+        key = f"tables[{name!r}]"
         if not isinstance(table, dict) or not isinstance(table.get("files"), list):
-            return f"tables[{name!r}] must be an object with a 'files' list"
+            return f"{key} must be an object with a 'files' list"
+        problem = layout_problem(key, table)
+        if problem is not None:
+            return problem
         bucketing = table.get("bucketing")
         if not isinstance(bucketing, dict) or not is_count(bucketing.get("buckets")):
-            return f"tables[{name!r}].bucketing must hold a bucket count"
+            return f"{key}.bucketing must hold a bucket count"
         total = 0
-        for f in table["files"]:
+        for j, f in enumerate(table["files"]):
             if (
                 not isinstance(f, dict)
                 or not plain_name(f.get("file"))
                 or not isinstance(f.get("chunks"), list)
             ):
-                return f"tables[{name!r}].files entries must name a plain file and list its chunks"
+                return f"{key}.files entries must name a plain file and list its chunks"
+            if full and "removed" in f:
+                return delta_key_problem(f"{key}.files[{j}].removed")
             offset, previous = 0, None
             for i, chunk in enumerate(f["chunks"]):
                 keys = ("offset", "rows", "min_id", "max_id", "bucket", "crc")
@@ -325,12 +409,14 @@ def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str |
                         f"follow the previous chunk's (bucket, max_id) {previous} (rows are bucket-major, ids ascending)"
                     )
                 previous = (chunk["bucket"], chunk["max_id"])
-                offset += chunk["rows"] * table.get("row_bytes", 0)
+                offset += chunk["rows"] * table["row_bytes"]
                 total += chunk["rows"]
-            if f.get("bytes") != offset:
-                return f"{f['file']}: bytes {f.get('bytes')} but its chunks cover {offset}"
-        if table.get("rows") != total:
-            return f"tables[{name!r}]: rows {table.get('rows')} but its chunks hold {total}"
+            if not (is_count(f.get("bytes")) and f["bytes"] == offset):
+                return (
+                    f"{key}.files[{j}] ({f['file']}): bytes {f.get('bytes')!r} but its chunks cover {offset}"
+                )
+        if table["rows"] != total:
+            return f"{key}: rows {table['rows']} but its chunks hold {total}"
     return None
 
 
@@ -422,15 +508,18 @@ def removed_problem(key: str, removed: object, name: str, *, ordered: bool = Tru
     ids ascend, so ``min_id <= max_id`` (version 2's bucket-major files need not)."""
     if not isinstance(removed, dict):
         return f"{key} must be an object {{file, ids, bytes, min_id, max_id, crc}}"
-    if removed.get("file") != name + REMOVED_SUFFIX:
-        return f"{key}.file must be {name + REMOVED_SUFFIX!r}; got {removed.get('file')!r}"
-    if not (is_count(removed.get("ids")) and is_count(removed.get("bytes")) and is_crc(removed.get("crc"))):
+    problem = absent_key(key, removed, REMOVED_KEYS)
+    if problem is not None:
+        return problem
+    if removed["file"] != name + REMOVED_SUFFIX:
+        return f"{key}.file must be {name + REMOVED_SUFFIX!r}; got {removed['file']!r}"
+    if not (is_count(removed["ids"]) and is_count(removed["bytes"]) and is_crc(removed["crc"])):
         return f"{key}.ids and .bytes must be ints >= 0 and .crc an unsigned 32-bit int"
     if removed["bytes"] != 8 * removed["ids"]:
         return f"{key}.bytes is {removed['bytes']}, not 8 x ids = {8 * removed['ids']}"
-    ends = (removed.get("min_id"), removed.get("max_id"))
+    ends = (removed["min_id"], removed["max_id"])
     if removed["ids"] == 0:
-        return None if ends == (None, None) else f"{key}.min_id/max_id must be null when ids is 0"
+        return id_ends_problem(key, removed, None)
     if not (is_id(ends[0]) and is_id(ends[1]) and (ends[0] <= ends[1] or not ordered)):
         return f"{key}.min_id/max_id must be ids{' with min_id <= max_id' if ordered else ''}; got {ends}"
     if removed["ids"] == 1 and ends[0] != ends[1]:
@@ -449,11 +538,16 @@ def views_problem(views: object, tables: dict) -> str | None:
             return f"{key}: the name {problem}"
         if name in tables:
             return f"{key}: a view cannot share its name with a table"
-        if not isinstance(view, dict) or view.get("table") not in tables:
-            return f"{key}.table must name a table of this checkpoint"
-        if not all(type(view.get(flag)) is bool for flag in ("whole_rows", "read_only")):
+        if not isinstance(view, dict):
+            return f"{key} must be an object"
+        problem = absent_key(key, view, VIEW_KEYS)
+        if problem is not None:
+            return problem
+        if not isinstance(view["table"], str) or view["table"] not in tables:
+            return f"{key}.table must name a table of this checkpoint; got {view['table']!r}"
+        if not all(type(view[flag]) is bool for flag in ("whole_rows", "read_only")):
             return f"{key}.whole_rows and .read_only must be true or false"
-        if not all(is_count(view.get(field)) for field in ("width_offset", "width", "rows")):
+        if not all(is_count(view[field]) for field in ("width_offset", "width", "rows")):
             return f"{key}.width_offset, .width and .rows must be ints >= 0"
         if view["width_offset"] + view["width"] > tables[view["table"]]["width"]:
             return f"{key}: its columns run past the width of table {view['table']!r}"
@@ -465,9 +559,9 @@ def extra_problem(extra: object) -> str | None:
     ``{file, bytes, crc}``, the file always ``extra.pt``), or None."""
     if extra is None or extra == EXTRA_FILE:  # the bare name: written before extra had a CRC
         return None
-    if not isinstance(extra, dict) or extra.get("file") != EXTRA_FILE:
+    if not isinstance(extra, dict) or absent_key("extra", extra, EXTRA_KEYS) or extra["file"] != EXTRA_FILE:
         return f"extra must be null or {{file, bytes, crc}} with file {EXTRA_FILE!r}; got {str(extra)[:200]}"
-    if not (is_count(extra.get("bytes")) and is_crc(extra.get("crc"))):
+    if not (is_count(extra["bytes"]) and is_crc(extra["crc"])):
         return f"extra.bytes and extra.crc must be ints (crc unsigned 32-bit); got {extra!r}"
     return None
 
@@ -488,8 +582,8 @@ def optimizer_of(state_dim: int, dim: int) -> str:
 
 
 def check_layout(where: Path, name: str, table: dict, store: SupportsRows) -> None:
+    """A saved table (its own layout fields already agree, ``layout_problem``) has the store's layout."""
     layout = store.layout
-    saved = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES.get(table["dtype"], torch.float32))
     problems = []
     if table["dtype"] != dtype_name(layout.dtype):
         problems.append(f"dtype {table['dtype']} vs the store's {dtype_name(layout.dtype)}")
@@ -501,8 +595,6 @@ def check_layout(where: Path, name: str, table: dict, store: SupportsRows) -> No
             f"{optimizer_of(table['optimizer_state_dim'], table['dim'])}, this store "
             f"{optimizer_of(layout.state_dim, layout.dim)}: build it with the optimizer it was saved with)"
         )
-    if not problems and (table["width"], table["row_bytes"]) != (saved.width, saved.row_bytes):
-        problems.append(f"width {table['width']} does not match its own dim, state and dtype")
     if problems:
         raise CheckpointError(f"table {name!r} in {where}: " + "; ".join(problems))
 

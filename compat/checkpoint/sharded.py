@@ -119,12 +119,8 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
     """A delta's ``base`` entry (``{path, manifest_sha256}``), once ``base`` is a version-2
     checkpoint with ``tables``' names, layouts and bucketing, and every store's change mark
     is at it; else a ``ValueError`` naming the table (as this rank sees it)."""
-    try:
-        version, manifest, digest = read_manifest_and_digest(base)
-    except FileNotFoundError as exc:
-        raise ValueError(
-            f"base={str(base)!r} is not a checkpoint ({exc}); save a full checkpoint first"
-        ) from exc
+    links = _chain().base_chain(Path(base), "save_checkpoint")
+    version, manifest, digest = links[0].version, links[0].manifest, links[0].digest
     if version != 2:
         raise ValueError(
             f"base {base} was saved by one process (version 1); a delta across ranks needs a version-2 "
@@ -135,7 +131,7 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
     def matches(name: str) -> None:
         _check_table(Path(base), name, manifest["tables"][name], tables[name])
 
-    _chain().check_delta_base(Path(path), Path(base), digest, manifest["tables"], stores, matches)
+    _chain().check_delta_base(Path(path), links, stores, matches)
     return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
 
 
@@ -300,7 +296,7 @@ def compact_sharded(links: list, dst: Path, *, chunk_bytes: int, method: str) ->
                 )
         table = BucketedTable(None, *bucketing)
         plan[name] = (RowLayout(saved["dim"], saved["optimizer_state_dim"], DTYPES[saved["dtype"]]), table)
-    files.read_extra(head.path, head.manifest)  # checked as a load checks it
+    chain.chain_extra(links)  # checked as a load checks it
     extra_bytes = files.read_extra_bytes(head.path, head.manifest)
     with files.staged(dst, method) as staging:
         manifest = new_manifest(world)
@@ -374,7 +370,7 @@ def load_sharded(
                 )
             for name, table in tables.items():
                 _check_table(link.path, name, link.manifest["tables"][name], table)
-        extra = files.read_extra(path, links[0].manifest)
+        extra = _chain().chain_extra(links)
         for name, table in tables.items():
             plan.append((table, [_link_table(link, name, table, rank, world) for link in reversed(links)]))
 

@@ -216,7 +216,7 @@ def test_delta_saves_that_cannot_be_right_are_refused(tmp_path):
         save_checkpoint(tmp_path / "1", {"t": other}, base=tmp_path / "0")
     with pytest.raises(ValueError, match="tables of its base"):
         save_checkpoint(tmp_path / "1", {"t": store, "u": new_store()}, base=tmp_path / "0")
-    with pytest.raises(ValueError, match="is the base"):
+    with pytest.raises(ValueError, match="(is|lies inside|holds) the base"):
         save_checkpoint(tmp_path / "0", {"t": store}, base=tmp_path / "0")
     wide = KVStore(DIM + 1, optimizer_state_dim=STATE, backend="reference")
     with pytest.raises(ValueError, match="does not match its base"):
@@ -438,7 +438,7 @@ def test_id_range_and_marks_after_loads(chain):
 
 def test_compaction_refuses_to_write_over_a_link(chain):
     folder, _ = chain
-    with pytest.raises(ValueError, match="is a link of the chain"):
+    with pytest.raises(ValueError, match="a link of the chain from the head of the chain being compacted"):
         compact_checkpoint(folder / "d2", folder / "d1")
     assert (folder / "d1" / "manifest.json").exists()
 

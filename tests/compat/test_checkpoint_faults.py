@@ -147,11 +147,11 @@ FAULTS = {
     ),
     "no chunks key": (
         lambda p: edit_manifest(p, lambda m: m["tables"]["t"].pop("chunks")),
-        r"tables\['t'\]\.chunks must be a list",
+        r"tables\['t'\]: the required key 'chunks' is missing",
     ),
     "no row_bytes key": (
         lambda p: edit_manifest(p, lambda m: m["tables"]["t"].pop("row_bytes")),
-        r"tables\['t'\]\.row_bytes must be an int",
+        r"tables\['t'\]: the required key 'row_bytes' is missing",
     ),
     "width wrong": (
         lambda p: edit_manifest(p, lambda m: m["tables"]["t"].update(width=13)),

@@ -242,8 +242,7 @@ def test_a_store_of_another_optimizer_is_named_by_its_state_size(saved, state, n
 
 
 def test_a_width_that_its_own_dim_state_and_dtype_do_not_give_is_refused(tmp_path):
-    # version 2's manifest states each table's layout without the derived-field check of
-    # version 1's schema: check_layout is what catches it there
+    # version 2's schema derives each table's width from its dim, state and dtype, as version 1's does
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -255,7 +254,9 @@ def test_a_width_that_its_own_dim_state_and_dtype_do_not_give_is_refused(tmp_pat
         manifest["tables"]["t"]["width"] += 1
         (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
         dst = KVStore(6, optimizer_state_dim=2)
-        with pytest.raises(CheckpointError, match=r"width \d+ does not match its own dim, state and dtype"):
+        with pytest.raises(
+            CheckpointError, match=r"tables\['t'\]\.width is \d+, but dim, optimizer_state_dim and dtype give"
+        ):
             load_checkpoint(
                 tmp_path / "ck", {"t": BucketedTable(dst, 4, None)}, process_group=dist.group.WORLD
             )

@@ -308,7 +308,7 @@ def test_a_delta_is_refused_for_other_tables_than_the_bases_or_at_the_base(tmp_p
     with pytest.raises(ValueError, match="'v' is not in the base"):
         save_checkpoint(tmp_path / "c1", {"t": s, "u": u, "v": filled(seed=6)}, base=tmp_path / "c0")
     for path in (tmp_path / "c0", tmp_path / "c0" / "inside", tmp_path):
-        with pytest.raises(ValueError, match="is the base"):
+        with pytest.raises(ValueError, match="(is|lies inside|holds) the base"):
             save_checkpoint(path, {"t": s, "u": u}, base=tmp_path / "c0")
     assert same(loaded(tmp_path / "c0")[0], s)
 
