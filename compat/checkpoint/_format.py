@@ -335,8 +335,8 @@ def manifest_problem(manifest: object) -> str | None:
 def delta_key_problem(key: str) -> str:
     """R12: a delta's own key found in a manifest whose format is the full one."""
     return (
-        f"{key} is a key of a delta ({DELTA_FORMAT!r}), but the format is {FORMAT_NAME!r}: a full "
-        "checkpoint has none (its base's rows would be lost); the manifest was altered"
+        f"{key} is a delta's key ({DELTA_FORMAT!r}), but the format is {FORMAT_NAME!r}: a full "
+        "checkpoint has none (its base's rows would be lost); the manifest was altered (R12)"
     )
 
 

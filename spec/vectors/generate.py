@@ -279,6 +279,101 @@ def damaged_manifests(manifest: dict) -> dict:
     }
 
 
+def damaged_chains(folder: Path) -> dict:
+    """The golden chain of ``delta_v1/`` (``base``, then ``delta``) with one link's manifest
+    breaking one rule of the chain (``spec/checkpoint_format.md``: R2, R3, R11, R12, D1, D5);
+    where the base is edited, the delta's ``base.manifest_sha256`` is re-pinned, so only the
+    rule can refuse the chain. Each must be refused with a CheckpointError whose message
+    contains ``names``, by every load and compaction of ``delta``."""
+    sound = {link: json.loads((folder / link / "manifest.json").read_text()) for link in ("base", "delta")}
+
+    def edited(link: str, edit) -> dict:
+        copy = json.loads(json.dumps(sound[link]))
+        edit(copy)
+        text = json.dumps(copy, indent=1)
+        if link == "delta":
+            return {"delta": text}
+        delta = json.loads(json.dumps(sound["delta"]))
+        delta["base"]["manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+        return {"base": text, "delta": json.dumps(delta, indent=1)}
+
+    def nested(manifest: dict) -> None:
+        value: object = 0
+        for _ in range(62):  # under tables['t'], three levels down: 65 in all
+            value = [value]
+        manifest["tables"]["t"]["note"] = value
+
+    long_int = edited("delta", lambda m: m["tables"]["t"].update(note="LONG"))
+    long_int["delta"] = long_int["delta"].replace('"LONG"', "9" * 4301)
+    cases = [
+        (
+            "delta relabelled as a full checkpoint",
+            "R12",
+            edited("delta", lambda m: m.update(format="leanstate-whole-row")),
+            "base is a delta's key",
+        ),
+        (
+            "full base with a base key",
+            "R12",
+            edited("base", lambda m: m.update(base={"path": "../delta", "manifest_sha256": "0" * 64})),
+            "base is a delta's key",
+        ),
+        (
+            "full base table with a removed entry",
+            "R12",
+            edited(
+                "base", lambda m: m["tables"]["t"].update(removed=sound["delta"]["tables"]["t"]["removed"])
+            ),
+            "removed is a delta's key",
+        ),
+        (
+            "removed entry without min_id",
+            "D5",
+            edited("delta", lambda m: m["tables"]["u"]["removed"].pop("min_id")),
+            "'min_id' is missing",
+        ),
+        (
+            "removed min_id a float",
+            "R3",
+            edited("delta", lambda m: m["tables"]["t"]["removed"].update(min_id=2.0)),
+            "min_id",
+        ),
+        (
+            "base table min_id true",
+            "R3",
+            edited("base", lambda m: m["tables"]["u"].update(min_id=True)),
+            "min_id",
+        ),
+        (
+            "base view rows a float",
+            "R3",
+            edited("base", lambda m: m["views"]["t.opt"].update(rows=5.0)),
+            "views['t.opt']",
+        ),
+        (
+            "delta version 3 without base",
+            "D1",
+            edited("delta", lambda m: (m.update(version=3), m.pop("base"))),
+            "version",
+        ),
+        (
+            "base names an extra.pt it lacks",
+            "R11",
+            edited("base", lambda m: m.update(extra={"file": "extra.pt", "bytes": 4, "crc": 0})),
+            "extra.pt",
+        ),
+        ("delta nested 65 deep", "R2", edited("delta", nested), "JSON"),
+        ("delta with a 4,301-digit integer", "R2", long_int, "JSON"),
+    ]
+    return {
+        "chain": "delta_v1/ (base, delta; compacted/ is not a link)",
+        "error": "CheckpointError",
+        "cases": [
+            {"name": n, "rule": r, "manifests": manifests, "names": names} for n, r, manifests, names in cases
+        ],
+    }
+
+
 def main() -> None:
     ids = [0, 1, 2, 7, 255, 256, 1000, 123456789, -1 & MASK64 >> 1, -(2**63), 2**62 + 12345]
     ids = [i - 2**64 if i >= 2**63 else i for i in ids]
@@ -344,6 +439,8 @@ def main() -> None:
     damaged = damaged_manifests(golden)
     (HERE / "checkpoint_v1_damaged.json").write_text(json.dumps(damaged, indent=1) + "\n")
     golden_delta(HERE / "delta_v1")
+    chains = damaged_chains(HERE / "delta_v1")
+    (HERE / "delta_v1_damaged.json").write_text(json.dumps(chains, indent=1) + "\n")
 
 
 if __name__ == "__main__":
