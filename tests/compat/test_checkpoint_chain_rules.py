@@ -517,3 +517,22 @@ def test_the_golden_chain_itself_is_sound(tmp_path):
     shutil.copytree(VECTORS / "delta_v1", tmp_path / "v")
     for load in (textbook.load_checkpoint, leanstate.load_checkpoint):
         load(tmp_path / "v" / "delta", golden_stores())
+
+
+@pytest.mark.parametrize("key", ["base", "files removed"])
+def test_a_full_checkpoint_across_ranks_with_a_delta_key_is_refused(tmp_path, key):
+    """R12 in version 2: a full manifest with a ``base``, or a rank file's ``removed``."""
+    store = new_store()
+    store.set(torch.arange(20), torch.ones(20, WIDTH))
+    with one_rank_group() as group:
+        leanstate.save_checkpoint(tmp_path / "c0", {"t": BucketedTable(store, 4, None)}, process_group=group)
+    manifest = manifest_of(tmp_path / "c0")
+    if key == "base":
+        manifest["base"] = {"path": "../x", "manifest_sha256": "0" * 64}
+    else:
+        manifest["tables"]["t"]["files"][0]["removed"] = {"file": "t.rank0.removed", "ids": 0}
+    write_manifest(tmp_path / "c0", manifest)
+    with pytest.raises(CheckpointError, match="is a delta's key"):
+        leanstate.load_checkpoint(tmp_path / "c0", {"t": new_store()})
+    with pytest.raises(CheckpointError, match="is a delta's key"):
+        leanstate.compact_checkpoint(tmp_path / "c0", tmp_path / "out")

@@ -8,10 +8,13 @@ raise the same error class and change no store.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import os
 import shutil
+import stat
 import zlib
 
 import crc32c
@@ -21,8 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leanstate
+from leanstate._tools.cli import main
 from leanstate.kv_store import KVStore
 from leanstate.reference import checkpoint as reference
+from leanstate.reference import delta_checkpoint as delta
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import header_words, pack_metadata, unpack_metadata
 from leanstate.testing import counts, id_batches, layouts
@@ -426,3 +431,85 @@ def test_an_empty_table_loads_into_an_empty_store_of_every_backend(tmp_path, bac
         stores = {name: KVStore(4, optimizer_state_dim=1, backend=backend) for name in ("e", "f")}
         assert load(tmp_path / "c", stores) == {"step": 1}
         assert len(stores["e"]) == 0 and same_rows(stores["f"], full)
+
+
+# -- chains: every link held to the rules of the head ---------------------------------------
+
+LINKS = {"head": 0, "middle": 1, "base": 2}
+
+
+def _chain_of_three(folder, backend):
+    """A full checkpoint and two deltas of ``t`` (each with extra state and a read-only
+    view, several chunks a link), saved by the textbook; head first."""
+    store = KVStore(4, optimizer_state_dim=1, clock=FakeClock(9), backend=backend)
+    generator = torch.Generator().manual_seed(11)
+    store.set(torch.arange(0, 300, 3), torch.randn(100, 4, generator=generator))
+    chunk = 8 * store.layout.row_bytes
+    paths = [folder / "d2", folder / "d1", folder / "c0"]
+    for step, path in enumerate(reversed(paths)):
+        base = None if step == 0 else paths[3 - step]
+        if step:
+            store.set(torch.arange(step, 300, 7), torch.randn(43, 4, generator=generator))
+            store.delete(torch.arange(3 * step, 300, 29))
+        delta.save_checkpoint(
+            path, saved_tables(store, True), base=base, extra={"step": step}, chunk_bytes=chunk
+        )
+    return paths, store
+
+
+def _repin(paths, index):
+    """Each link newer than ``paths[index]`` names the damaged manifest's digest again (when it
+    is still a regular file), so the damage, not a digest mismatch, is what a reader meets."""
+    for newer in range(index - 1, -1, -1):
+        below = paths[newer + 1] / "manifest.json"
+        if not (os.path.lexists(below) and stat.S_ISREG(os.lstat(below).st_mode)):
+            return
+        manifest = json.loads((paths[newer] / "manifest.json").read_text())
+        manifest["base"]["manifest_sha256"] = hashlib.sha256(below.read_bytes()).hexdigest()
+        (paths[newer] / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _chain_verdicts(head, store, tmp):
+    """The error class each reader gives the chain at ``head`` (None: accepted): the textbook
+    load, the hardened load into an empty store of the drawn backend and into a live torch
+    store, both compactions; and whether ``inspect`` refused it. A refused load changes no store."""
+    outcomes = {}
+    runs = {
+        "textbook load": lambda: delta.load_checkpoint(head, {"t": fresh(store)}),
+        "hardened load, empty": lambda: leanstate.load_checkpoint(
+            head, {"t": fresh(store, None, store.backend)}
+        ),
+        "hardened load, live": None,
+        "textbook compaction": lambda: delta.compact_checkpoint(head, tmp / "tc"),
+        "hardened compaction": lambda: leanstate.compact_checkpoint(head, tmp / "hc"),
+    }
+    live = fresh(store, store.keys()[:5], "torch")
+    before = rows_of(live)
+    runs["hardened load, live"] = lambda: leanstate.load_checkpoint(head, {"t": live})
+    for name, run in runs.items():
+        try:
+            run()
+            outcomes[name] = None
+        except Exception as exc:
+            outcomes[name] = type(exc)
+    if outcomes["hardened load, live"] is not None:
+        assert all(torch.equal(x, y) for x, y in zip(before, rows_of(live)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        refused_by_inspect = main(["inspect", str(head)]) != 0
+    return outcomes, refused_by_inspect
+
+
+@pytest.mark.parametrize("link", sorted(LINKS))
+@pytest.mark.parametrize("damage", sorted({**DAMAGE, **STRUCTURAL}))
+def test_every_damage_to_any_link_of_a_chain_gets_one_verdict_from_every_reader(tmp_path, damage, link):
+    """Each damage of the full format's list, applied to the head, a middle link or the full
+    base of a chain (newer links re-pinned to it): the textbook and the hardened load, both
+    compactions and ``inspect`` refuse it alike, with one error class."""
+    damage_fn, _ = {**DAMAGE, **STRUCTURAL}[damage]
+    paths, store = _chain_of_three(tmp_path, "numba")
+    damage_fn(paths[LINKS[link]], 3)
+    _repin(paths, LINKS[link])
+    outcomes, refused_by_inspect = _chain_verdicts(paths[0], store, tmp_path)
+    assert len(set(outcomes.values())) == 1, (damage, link, outcomes)
+    assert refused_by_inspect == (outcomes["textbook load"] is not None), (damage, link, outcomes)
+    assert outcomes["textbook load"] in (leanstate.CheckpointError, FileNotFoundError), outcomes
