@@ -261,6 +261,84 @@ def test_a_delta_save_killed_at_a_random_point_leaves_the_chain_whole(tmp_path, 
         assert len(fresh) == 3900 and int(fresh.get(torch.arange(0, 4000, 2)).sum()) == 2000 * (DIM + STATE)
 
 
+def _compaction_when_told(folder: str, ready, go) -> None:
+    """The process killed while it compacts a chain over an existing checkpoint."""
+    store = new_store()
+    store.set(torch.arange(4000), torch.zeros(4000, DIM + STATE))
+    save_checkpoint(Path(folder) / "0", {"t": store}, chunk_bytes=4096)
+    store.set(torch.arange(0, 4000, 3), torch.ones(1334, DIM + STATE))
+    save_checkpoint(Path(folder) / "1", {"t": store}, base=Path(folder) / "0", chunk_bytes=512)
+    old = new_store()
+    old.set(torch.arange(10), torch.full((10, DIM + STATE), 5.0))
+    save_checkpoint(Path(folder) / "out", {"t": old})
+    ready.set()
+    go.wait()
+    compact_checkpoint(Path(folder) / "1", Path(folder) / "out", chunk_bytes=512, overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "trial", [*range(3), *(pytest.param(t, marks=pytest.mark.slow) for t in range(3, 40))]
+)
+def test_a_compaction_killed_at_a_random_point_leaves_the_chain_and_the_old_destination(tmp_path, trial):
+    """kill -9 during ``compact --force``: the chain still loads, and ``out`` is either the
+    checkpoint it was or the whole compaction, never a mix."""
+    context = forked(_compaction_when_told)
+    ready, go = context.Event(), context.Event()
+    child = context.Process(target=_compaction_when_told, args=(str(tmp_path), ready, go))
+    child.start()
+    assert ready.wait(120)
+    go.set()
+    time.sleep(random.Random(trial).uniform(0.0, 0.08))
+    child.kill()  # SIGKILL
+    child.join()
+    chain = new_store()
+    load_checkpoint(tmp_path / "1", {"t": chain})
+    assert len(chain) == 4000
+    out = new_store()
+    load_checkpoint(tmp_path / "out", {"t": out})
+    assert len(out) == 10 or (len(out) == 4000 and torch.equal(rows_of(out)[1], rows_of(chain)[1]))
+
+
+def test_saves_and_loads_of_one_chain_from_threads_at_once_stay_whole(tmp_path):
+    """Delta saves of one store into fresh directories while other threads load the chain's
+    links: every load sees a complete link (the rows of the store when it was saved), every
+    save is published whole."""
+    import threading
+
+    store = new_store()
+    store.set(torch.arange(2000), torch.zeros(2000, DIM + STATE))
+    save_checkpoint(tmp_path / "l0", {"t": store}, chunk_bytes=1024)
+    sizes = {"l0": 2000}
+    errors: list[BaseException] = []
+
+    def reader(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for name, size in list(sizes.items()):
+                fresh = new_store()
+                try:
+                    load_checkpoint(tmp_path / name, {"t": fresh})
+                    assert len(fresh) == size, (name, len(fresh), size)
+                except BaseException as exc:  # reported by the main thread
+                    errors.append(exc)
+                    return
+
+    stop = threading.Event()
+    readers = [threading.Thread(target=reader, args=(stop,)) for _ in range(2)]
+    for thread in readers:
+        thread.start()
+    for link in range(1, 9):
+        store.set(torch.arange(2000 + 10 * link, 2010 + 10 * link), torch.ones(10, DIM + STATE))
+        save_checkpoint(tmp_path / f"l{link}", {"t": store}, base=tmp_path / f"l{link - 1}", chunk_bytes=1024)
+        sizes[f"l{link}"] = len(store)
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert not errors, errors[0]
+    final = new_store()
+    load_checkpoint(tmp_path / "l8", {"t": final})
+    assert_same(store, final)
+
+
 # -- damaged chains -------------------------------------------------------------------------
 
 
