@@ -8,7 +8,7 @@ BENCH ?= .
 OLD ?= HEAD~1
 HISTORY := asv_bench/bench-history
 
-.PHONY: demo test test-cudasim test-main test-slow bench bench-compare bench-html lint install gpu-check mutate
+.PHONY: demo test test-cudasim test-main test-slow bench bench-compare bench-html lint install gpu-check mutate mutate-diff
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -81,6 +81,12 @@ GROUPS ?=
 MUTATE_ARGS ?=
 mutate: $(STAMP)
 	$(BIN)/python -m leanstate._tools.mutation --groups "$(GROUPS)" $(MUTATE_ARGS)
+
+# Every mutant on the lines changed since REV (not a sample), before a change lands: the
+# outcomes printed and in .mutation/diff.json; exit 1 while a survivor is unexplained.
+REV ?= origin/main
+mutate-diff: $(STAMP)
+	$(BIN)/python -m leanstate._tools.mutation --diff "$(REV)" --groups "$(GROUPS)" $(MUTATE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -25,6 +25,15 @@ Per group (``tests/mutation/groups.toml``: modules, the test files that cover th
    is rewritten from all groups' results and ``tests/mutation/survivors.toml`` (why a
    survivor is equivalent).
 
+A run is a seeded sample (``--sample``, 40 a group by default, every mutant where the
+group has fewer; ``--seed``): the same seed and modules give the same sample, so a stopped
+run resumes where it stopped. The report gives each group's kill rate with its 95% Wilson
+interval, and the same per operator family (token and realistic, ``_mutation_ops.py``).
+
+``--diff REV`` (``make mutate-diff REV=...``) judges a change before it lands: every
+mutant (not a sample) on the lines of the groups' modules changed since ``REV``, its
+outcomes in ``.mutation/diff.json`` and printed, survivors with their diffs.
+
 ``--rerun-survivors`` runs a group's survivors again (after a test was added for them),
 but not those ``survivors.toml`` explains: the report then names the test that kills each.
 """
@@ -35,7 +44,9 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
+import random
 import re
 import shlex
 import signal
@@ -151,7 +162,33 @@ def _open_session(name: str, group: dict):
     return db
 
 
-def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -> None:
+def sample_of(ids: list[str], size: int, seed: str) -> set[str]:
+    """A seeded sample of ``size`` of the mutant ids (all of them when there are fewer)."""
+    ordered = sorted(ids)
+    return set(ordered if len(ordered) <= size else random.Random(seed).sample(ordered, size))
+
+
+def changed_lines(rev: str, module: str) -> set[int]:
+    """The lines of ``module`` (as it is now) added or changed since ``rev``."""
+    diff = _git("diff", "-U0", rev, "--", module)
+    lines: set[int] = set()
+    for start, count in re.findall(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff, re.MULTILINE):
+        lines.update(range(int(start), int(start) + (1 if count == "" else int(count))))
+    return lines
+
+
+def _run_group(
+    name: str,
+    group: dict,
+    deadline: float,
+    rerun_survivors: bool,
+    *,
+    sample: int = 40,
+    seed: int = 0,
+    diff: str | None = None,
+) -> dict | None:
+    """Run the group's chosen mutants: its sample, or with ``diff`` every mutant on a line
+    changed since that revision (its outcomes returned instead of exported)."""
     import parso
     from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_item import TestOutcome
@@ -166,6 +203,19 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
     baseline = _coverage_map(name, group)
     timeout = float(group.get("timeout", max(60.0, 2 * baseline["seconds"])))
     db = _open_session(name, group)
+    if diff is not None:
+        touched = {m: changed_lines(diff, m) for m in group["modules"]}
+
+        def chosen(item) -> bool:
+            m = item.mutations[0]
+            return bool(touched[str(m.module_path)] & set(range(m.start_pos[0], m.end_pos[0] + 1)))
+    else:
+        picked = sample_of([i for _, i in _ids(db)], sample, f"{seed}:{name}")
+        by_job = {w.job_id: i for w, i in _ids(db)}
+
+        def chosen(item) -> bool:
+            return by_job[item.job_id] in picked
+
     try:
         trees = {m: parso.parse((ROOT / m).read_text()) for m in group["modules"]}
 
@@ -185,7 +235,7 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             todo = [w for w, i in _ids(db) if w.job_id in survived and i not in explained]
         else:
             todo = list(db.pending_work_items)
-        pending = sorted(todo, key=order)
+        pending = sorted((w for w in todo if chosen(w)), key=order)
         print(
             f"[{name}] {db.num_work_items} mutants, {len(pending)} to run, timeout {timeout:.0f}s", flush=True
         )
@@ -217,8 +267,25 @@ def _run_group(name: str, group: dict, deadline: float, rerun_survivors: bool) -
             db.set_result(item.job_id, result)
             print(f"[{name}] {done + 1}/{len(pending)} {_describe(mutation)}: {_outcome(result)}", flush=True)
     finally:  # also when stopped: what ran is reported, the rest as not run
-        _export(name, group, db, baseline)
+        outcome = (
+            _diff_outcomes(db, chosen) if diff is not None else _export(name, group, db, baseline, chosen)
+        )
         db.close()
+    return outcome
+
+
+def _diff_outcomes(db, chosen) -> dict:
+    """The outcomes of the mutants a diff run chose: ``{id: {outcome, diff}}``."""
+    results = dict(db.results)
+    out = {}
+    for item, mutant_id in _ids(db):
+        if chosen(item):
+            result = results.get(item.job_id)
+            out[mutant_id] = {
+                "outcome": "pending" if result is None else _outcome(result),
+                "diff": [] if result is None else _diff_lines(result.diff),
+            }
+    return out
 
 
 def _stop(*_) -> None:
@@ -268,8 +335,9 @@ def _ids(db) -> list[tuple]:
     return out
 
 
-def _export(name: str, group: dict, db, baseline: dict) -> None:
-    """The session's outcomes into ``tests/mutation/results/<group>.json``."""
+def _export(name: str, group: dict, db, baseline: dict, sampled) -> None:
+    """The session's outcomes into ``tests/mutation/results/<group>.json`` (a mutant outside
+    the sample is ``not sampled``)."""
     path = RESULTS / f"{name}.json"
     before = {m["id"]: m for m in json.loads(path.read_text())["mutants"]} if path.exists() else {}
     results = dict(db.results)
@@ -277,7 +345,11 @@ def _export(name: str, group: dict, db, baseline: dict) -> None:
     for item, mutant_id in _ids(db):
         entry = {"id": mutant_id}
         result = results.get(item.job_id)
-        entry["outcome"] = "pending" if result is None else _outcome(result)
+        entry["operator"] = item.mutations[0].operator_name.split("/")[-1]
+        if result is None:
+            entry["outcome"] = "pending" if sampled(item) else "not sampled"
+        else:
+            entry["outcome"] = _outcome(result)
         if entry["outcome"] == "killed":
             match = _FAILED.search(result.output or "")
             entry["killed_by"] = match.group(1) if match else "(collection or import)"
@@ -300,20 +372,46 @@ def _export(name: str, group: dict, db, baseline: dict) -> None:
 # -- the report -------------------------------------------------------------------------
 
 
+OUTCOMES = ("killed", "timeout", "survived", "incompetent", "pending", "not sampled")
+
+
 def _count(mutants: list[dict]) -> dict[str, int]:
-    counts = {k: 0 for k in ("killed", "timeout", "survived", "incompetent", "pending")}
+    counts = dict.fromkeys(OUTCOMES, 0)
     for m in mutants:
         counts[m["outcome"]] += 1
     return counts
 
 
+def wilson(killed: int, run: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a kill rate of ``killed`` of ``run`` mutants."""
+    if not run:
+        return (0.0, 1.0)
+    p = killed / run
+    centre = (p + z * z / (2 * run)) / (1 + z * z / run)
+    half = z * math.sqrt(p * (1 - p) / run + z * z / (4 * run * run)) / (1 + z * z / run)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 def _rate(counts: dict[str, int]) -> str:
-    run = counts["killed"] + counts["timeout"] + counts["survived"]
-    return f"{100 * (counts['killed'] + counts['timeout']) / run:.1f}%" if run else "-"
+    """``91.3% (84.0-95.6)``: the kill rate over the mutants run, with its 95% interval."""
+    killed = counts["killed"] + counts["timeout"]
+    run = killed + counts["survived"]
+    if not run:
+        return "-"
+    low, high = wilson(killed, run)
+    return f"{100 * killed / run:.1f}% ({100 * low:.1f}-{100 * high:.1f})"
+
+
+def _family(mutant: dict) -> str:
+    from leanstate._tools._mutation_ops import family_of
+
+    return family_of(mutant.get("operator") or mutant["id"].split(":")[2].split("#")[0])
 
 
 def write_report() -> Path:
     """Rewrite ``tests/MUTATION.md`` from the groups' results and the survivors' notes."""
+    from leanstate._tools._mutation_ops import REALISTIC
+
     groups = _groups()
     notes = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
     records = {
@@ -327,52 +425,74 @@ def write_report() -> Path:
         "is kept in `tests/mutation/survivors.toml`. `make mutate GROUPS=name` runs one group;",
         "rerun a group whenever its modules change (its row then reads *stale*).",
         "",
-        "Operators: comparison (`==`/`!=`, `<`/`<=`, `>`/`>=`, `is`/`is not`), boolean (`and`/`or`,",
-        "`True`/`False`, an added or removed `not`), arithmetic (`+`/`-`, `*`/`/`, `//`, `%`, `**`,",
-        "shifts, bit operators, unary minus removed), constant (a number one larger), removed",
-        "statement (a call, `raise`, `assert`, `del` or augmented assignment replaced by `pass`),",
-        "removed keyword argument, loop (`break`/`continue` swapped, a `for` over nothing). No",
-        "string is mutated (docstrings, error messages), nor anything in an f-string or an",
-        "annotation. Each mutant runs the tests that reach its line (`-x -q -p no:randomly`,",
-        "`nice -n 19`, a timeout of twice the group's coverage run); a timeout counts as killed.",
-        "Kill rate: (killed + timeout) / (killed + timeout + survived), over the mutants run; a",
-        "group cut short by `--minutes` reads *partial* and keeps the rest for its next run.",
+        "Token operators (one token changed): comparison (`==`/`!=`, `<`/`<=`, `>`/`>=`,",
+        "`is`/`is not`), boolean (`and`/`or`, `True`/`False`, an added or removed `not`),",
+        "arithmetic (`+`/`-`, `*`/`/`, `//`, `%`, `**`, shifts, bit operators, unary minus removed),",
+        "constant (a number one larger), loop (`break`/`continue` swapped, a `for` over nothing).",
+        "Realistic operators (a step left out or misplaced): removed statement (a call, `raise`,",
+        "`assert`, `del`, augmented assignment or assignment to an attribute or item replaced by",
+        "`pass`), dropped keyword argument, condition forced (an `if`/`elif` condition replaced by",
+        "`True` or `False`), early return (a `return` before a function's first statement),",
+        "swapped statements (two adjacent statements of a block, one an effect or an `if`, in the",
+        "other order), slice bound off by one. No string is mutated (docstrings, error messages),",
+        "nor anything in an f-string or an annotation.",
         "",
-        "The tool is cosmic-ray: it writes each mutant into the source file and runs the tests in",
-        "a new process group, so the gloo ranks and subprocesses the tests start import the",
-        "mutant too, numba compiles it like any source, and a hung mutant's processes are killed",
-        "at the timeout.",
+        "Each group runs a seeded sample of its mutants (40 by default, all where it has fewer;",
+        '`make mutate MUTATE_ARGS="--sample N --seed S"`); each mutant runs the tests that reach',
+        "its line (`-x -q -p no:randomly`, `nice -n 19`, a timeout of twice the group's coverage",
+        "run); a timeout counts as killed. Kill rate: (killed + timeout) / (killed + timeout +",
+        "survived) over the mutants run, with its 95% Wilson interval. `make mutate-diff REV=...`",
+        "runs every mutant on the lines changed since REV instead (not recorded here).",
         "",
-        "| family | group | modules | mutants | killed | timeout | survived | not run | kill rate | run on |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| family | group | modules | mutants | sampled | killed | timeout | survived | not run | kill rate (95%) | run on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    families: dict[str, list[dict]] = {}
+    by_family: dict[str, list[dict]] = {}
+    by_operator: dict[str, list[dict]] = {}
     for name, group in groups.items():
         modules = ", ".join(f"`{m}`" for m in group["modules"])
         record = records.get(name)
         if record is None:
             out.append(
-                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | not run | {group.get('note', '-')} |"
+                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | - | not run | {group.get('note', '-')} |"
             )
             continue
-        families.setdefault(group["family"], []).extend(record["mutants"])
+        by_family.setdefault(group["family"], []).extend(record["mutants"])
+        for m in record["mutants"]:
+            if m["outcome"] not in ("not sampled", "pending", "incompetent"):
+                by_operator.setdefault(_family(m), []).append(m)
         c = _count(record["mutants"])
+        sampled = len(record["mutants"]) - c["not sampled"]
         stale = " (stale: modules changed since)" if record["modules"] != _digest(group["modules"]) else ""
-        stale += " (partial)" if c["pending"] else ""
+        stale += f" ({c['pending']} of the sample not run yet)" if c["pending"] else ""
         out.append(
-            f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | {c['killed']} | {c['timeout']}"
-            f" | {c['survived']} | {c['pending'] + c['incompetent']} | {_rate(c)} | {record['commit']},"
-            f" {record['date']}{stale} |"
+            f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | sampled {sampled} of"
+            f" {len(record['mutants'])} | {c['killed']} | {c['timeout']} | {c['survived']} |"
+            f" {c['pending'] + c['incompetent']} | {_rate(c)} | {record['commit']}, {record['date']}{stale} |"
         )
-    out += ["", "Per family (the groups run so far):", ""]
-    for family, mutants in families.items():
+    out += ["", "Per module family (the groups run so far):", ""]
+    for family, mutants in by_family.items():
         c = _count(mutants)
         names = [n for n, g in groups.items() if g["family"] == family]
         missing = [n for n in names if n not in records]
+        run = c["killed"] + c["timeout"] + c["survived"]
         out.append(
-            f"- {family}: {len(mutants) - c['pending']} of {len(mutants)} mutants run, kill rate {_rate(c)}"
+            f"- {family}: {run} mutants run, kill rate {_rate(c)}"
             + (f"; not run yet: {', '.join(missing)}" if missing else "")
         )
+    out += [
+        "",
+        "Per operator family (every group's sample):",
+        "",
+        "| operators | family | run | kill rate (95%) |",
+    ]
+    out.append("|---|---|---|---|")
+    for family in sorted(by_operator, key=lambda f: (f in REALISTIC.values(), f)):
+        c = _count(by_operator[family])
+        kind = "realistic" if family in REALISTIC.values() else "token"
+        out.append(f"| {kind} | {family} | {c['killed'] + c['timeout'] + c['survived']} | {_rate(c)} |")
+    everything = [m for ms in by_operator.values() for m in ms]
+    out.append(f"| all | all | {len(everything)} | {_rate(_count(everything))} |")
     for name, record in records.items():
         survivors = [m for m in record["mutants"] if m.get("diff")]
         if not survivors:
@@ -391,6 +511,31 @@ def write_report() -> Path:
     return REPORT
 
 
+def _run_diff(rev: str, groups: dict, chosen: list[str], deadline: float) -> int:
+    """``--diff REV``: every mutant on a changed line of each group's modules; the outcomes
+    printed and kept in ``.mutation/diff.json``; exit 1 while a survivor is unexplained."""
+    notes = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
+    outcomes: dict[str, dict] = {}
+    for name in chosen:
+        group = groups[name]
+        if not any(changed_lines(rev, m) for m in group["modules"]):
+            continue
+        outcomes.update(_run_group(name, group, deadline, False, diff=rev) or {})
+    WORK.mkdir(exist_ok=True)
+    (WORK / "diff.json").write_text(json.dumps({"rev": rev, "mutants": outcomes}, indent=1) + "\n")
+    c = _count([{"outcome": v["outcome"]} for v in outcomes.values()])
+    print(f"mutate-diff since {rev}: {len(outcomes)} mutants on changed lines, kill rate {_rate(c)}")
+    open_survivors = 0
+    for mutant_id, v in sorted(outcomes.items()):
+        if v["outcome"] == "survived":
+            why = notes.get(mutant_id, {}).get("why")
+            open_survivors += why is None
+            print(
+                f"  survived {mutant_id}: {' / '.join(v['diff'])}" + (f" (equivalent: {why})" if why else "")
+            )
+    return 1 if open_survivors else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m leanstate._tools.mutation [--groups a,b] [--minutes N] ...``"""
     groups = _groups()
@@ -405,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rerun-survivors", action="store_true", help="run only the groups' survivors, again"
     )
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from the results")
+    parser.add_argument(
+        "--sample", type=int, default=40, help="mutants run a group (default 40; all if fewer)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    parser.add_argument("--diff", metavar="REV", help="every mutant on the lines changed since REV instead")
     args = parser.parse_args(argv)
     chosen = [g for g in args.groups.split(",") if g] or list(groups)
     unknown = [g for g in chosen if g not in groups]
@@ -414,12 +564,14 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     # a stopped run puts the mutated file back (cosmic-ray restores it on the way out)
     signal.signal(signal.SIGTERM, _stop)
+    if args.diff:
+        return _run_diff(args.diff, groups, chosen, deadline)
     if not args.report_only:
         for name in chosen:
             if time.monotonic() > deadline:
                 print(f"[{name}] not started: out of time", flush=True)
                 continue
-            _run_group(name, groups[name], deadline, args.rerun_survivors)
+            _run_group(name, groups[name], deadline, args.rerun_survivors, sample=args.sample, seed=args.seed)
             write_report()
     print(f"report: {write_report().relative_to(ROOT)}")
     return 0

@@ -43,12 +43,53 @@ def test_strings_annotations_f_strings_and_signature_stars_are_left_alone():
         "    y: int | None = kw\n"
         '    raise ValueError(f"x={x + 1}")\n'
     )
-    changed = set()
-    for mutant in mutants(source):
-        changed |= {i for i, (a, b) in enumerate(zip(source.splitlines(), mutant.splitlines())) if a != b}
-    # only the raise, left out: not the docstring, the annotations, the stars or the f-string
-    assert changed == {3}
-    assert [mutant.splitlines()[3] for mutant in mutants(source)] == ["    pass"]
+    kept = ['"""Twice x."""', "x: int | None = None, *, y, **kw) -> int | None:", "y: int | None = kw"]
+    made = mutants(source)
+    for mutant in made:  # the docstring, the annotations, the stars and the f-string stay
+        assert all(piece in mutant for piece in kept), mutant
+        assert "raise" not in mutant or 'raise ValueError(f"x={x + 1}")' in mutant, mutant
+    # what is mutated: the raise left out, a return before the body, the two lines swapped
+    lines = source.splitlines(keepends=True)
+    assert sorted(made) == sorted(
+        [
+            "".join([*lines[:3], "    pass\n"]),
+            "".join([*lines[:2], "    return\n", *lines[2:]]),
+            "".join([*lines[:2], lines[3], lines[2]]),
+        ]
+    )
+
+
+def test_the_realistic_operators_make_the_bugs_token_operators_cannot():
+    source = (
+        "def save(store, rows, n):\n"
+        '    """Save."""\n'
+        "    check(rows)\n"
+        "    store.mark = n\n"
+        "    if n > 0:\n"
+        "        write(rows[1:n])\n"
+    )
+    made = mutants(source)
+    assert source.replace("    store.mark = n\n", "    pass\n") in made  # a mark never set
+    assert (
+        source.replace("    check(rows)\n    store.mark = n\n", "    store.mark = n\n    check(rows)\n")
+        in made
+    )
+    assert source.replace("if n > 0", "if True") in made and source.replace("if n > 0", "if False") in made
+    assert source.replace('"""Save."""\n', '"""Save."""\n    return\n') in made
+    assert (
+        source.replace("rows[1:n]", "rows[(1) + 1:n]") in made
+        and source.replace("rows[1:n]", "rows[1:(n) - 1]") in made
+    )
+    assert all(compile(m, "m", "exec") for m in made)  # every mutant is valid Python
+
+
+def test_each_operator_has_a_family_and_the_realistic_ones_are_named():
+    from leanstate._tools._mutation_ops import REALISTIC, family_of
+
+    families = {family_of(name) for name in PROVIDER}
+    assert set(REALISTIC.values()) <= families
+    assert {"comparison", "boolean", "arithmetic", "constant", "loop"} <= families
+    assert family_of("core/Eq_NotEq") == "comparison" and family_of("core/Add_Sub") == "arithmetic"
 
 
 def test_each_kind_of_mistake_is_made_once():
@@ -97,6 +138,7 @@ def test_the_report_counts_explains_and_names_the_killing_test(tmp_path, monkeyp
                 "diff": ["-a", "+b"],
             },
             {"id": "m.py:6:AddNot", "outcome": "pending"},
+            {"id": "m.py:7:SwapStatements", "outcome": "not sampled"},
         ],
     }
     (results / "one.json").write_text(json.dumps(record))
@@ -109,10 +151,33 @@ def test_the_report_counts_explains_and_names_the_killing_test(tmp_path, monkeyp
         monkeypatch.setattr(mutation, name, value)
     text = mutation.write_report().read_text()
     row = next(line for line in text.splitlines() if line.startswith("| core | one |"))
-    # 6 mutants: killed 2, timeout 1, survived 2, not run 1; (2 + 1) / 5
-    assert "| 6 | 2 | 1 | 2 | 1 | 60.0% | abc1234, 2026-01-01 00:00 UTC (stale" in row and "(partial)" in row
-    assert "| core | two | `compat/zero.py` | - | - | - | - | - | not run | - |" in text
+    # 7 mutants, 6 sampled: killed 2, timeout 1, survived 2, not run 1; (2 + 1) / 5, Wilson 23.1-88.2
+    assert (
+        "| 7 | sampled 6 of 7 | 2 | 1 | 2 | 1 | 60.0% (23.1-88.2) | abc1234, 2026-01-01 00:00 UTC (stale"
+        in row
+    )
+    assert "(1 of the sample not run yet)" in row and "partial" not in text
+    assert "| core | two | `compat/zero.py` | - | - | - | - | - | - | not run | - |" in text
+    assert "| token | boolean | 3 | 100.0% (43.8-100.0) |" in text  # the AddNot mutants run
+    assert "| realistic | removed statement | 1 | 0.0% (0.0-79.3) |" in text
     assert "- `m.py:3:NumberPlusOne` `-x = 1` / `+x = 2`: equivalent: a cache size" in text
     assert "- `m.py:4:RemoveStatement` `-f()` / `+pass`: **not yet explained**" in text
     assert "- `m.py:5:AddNot` `-a` / `+b`: now killed by `tests/t.py::test_b`" in text
-    assert "- core: 5 of 6 mutants run, kill rate 60.0%; not run yet: two" in text
+    assert "- core: 5 mutants run, kill rate 60.0% (23.1-88.2); not run yet: two" in text
+
+
+def test_the_sample_is_seeded_the_whole_group_when_small_and_wilson_is_exact():
+    ids = [f"m.py:{i}:AddNot" for i in range(100)]
+    first = mutation.sample_of(ids, 40, "0:core")
+    assert len(first) == 40 and first == mutation.sample_of(list(reversed(ids)), 40, "0:core")
+    assert first != mutation.sample_of(ids, 40, "1:core")
+    assert mutation.sample_of(ids[:30], 40, "0:core") == set(ids[:30])
+    low, high = mutation.wilson(36, 40)
+    assert round(low, 4) == 0.7695 and round(high, 4) == 0.9604
+    assert mutation.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_changed_lines_are_the_new_sides_hunks(tmp_path, monkeypatch):
+    hunks = "@@ -3 +3 @@\n-a\n+b\n@@ -10,0 +11,2 @@\n+c\n+d\n@@ -20,2 +22,0 @@\n-e\n-f\n"
+    monkeypatch.setattr(mutation, "_git", lambda *args: hunks)
+    assert mutation.changed_lines("HEAD", "m.py") == {3, 11, 12}
