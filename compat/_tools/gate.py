@@ -178,6 +178,13 @@ def working_tree(root: Path, into: Path) -> Path:
     return folder
 
 
+def this_tree_first(round_: int, figure: int) -> bool:
+    """Whether this tree's side of figure ``figure`` runs first in round ``round_``: it
+    alternates from round to round and from one figure to the next, so neither side is
+    always first (a warm cache, a turbo boost) for any figure or in any round."""
+    return (round_ + figure) % 2 == 0
+
+
 def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, log=print) -> list[Verdict]:
     """This tree against ``commit``, round by round, each figure's two sides back to back
     (their order alternating); each figure's verdict."""
@@ -202,7 +209,7 @@ def compare(root: Path, commit: str, rounds: int = 7, into: Path | None = None, 
             for f, name in enumerate(both):
                 # the two sides of a pair run back to back, first one then the other (ABBA)
                 order = ((new, new_times), (old, old_times))
-                for worker, times in order if (k + f) % 2 == 0 else order[::-1]:
+                for worker, times in order if this_tree_first(k, f) else order[::-1]:
                     times[-1][name] = worker.run(name)
         return paired(new_times, old_times)
     finally:

@@ -22,6 +22,7 @@ from leanstate._tools.ranks import forked
 from leanstate.checkpoint import _chain as _checkpoint_chain
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
+from leanstate.reference import delta_checkpoint as textbook
 from leanstate.reference.checkpoint import CheckpointError
 from tests.harness import FakeClock
 
@@ -735,3 +736,115 @@ def test_a_chain_counts_a_read_only_view_and_refuses_a_writable_partial_one(chai
     assert_same(store, fresh)
     with pytest.raises(ValueError, match="writable partial view"):
         load_checkpoint(folder / "d3", {"t.state": KVTensor(new_store(), width_offset=DIM, width=STATE)})
+
+
+# -- what realistic bugs would change (each test names the bug it kills) -----------------------
+
+
+@pytest.mark.parametrize("which", ["textbook", "hardened"])
+def test_a_share_loaded_by_id_range_is_not_the_checkpoint_and_takes_no_delta(chain, which):
+    """Kills: a load with ``id_range`` setting the store's change mark (a later delta of the
+    share would be accepted against the whole checkpoint and load rows it never held)."""
+    folder, _ = chain
+    load = textbook.load_checkpoint if which == "textbook" else load_checkpoint
+    save = textbook.save_checkpoint if which == "textbook" else save_checkpoint
+    part = new_store()
+    load(folder / "d2", {"t": part}, id_range=(50, 120))
+    assert part.mark is None
+    with pytest.raises(ValueError, match="full checkpoint first"):
+        save(folder / "share-delta", {"t": part}, base=folder / "d2")
+    assert not (folder / "share-delta").exists()
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_an_id_deleted_while_a_delta_is_written_is_saved_as_removed(tmp_path, pipelined):
+    """Version 1: an id listed as written, deleted after the first chunk was written and
+    before its own chunk is read, is in the delta's removed ids, so the chain does not bring
+    it back. Kills: the rows dropped while saving not added to the removed ids."""
+    store = new_store()
+    store.set(torch.arange(400), torch.zeros(400, DIM + STATE))
+    save_checkpoint(tmp_path / "0", {"t": store})
+    store.set(torch.arange(0, 400, 2), torch.ones(200, DIM + STATE))
+    deleted = []
+
+    def delete_late_id(table, done, total):
+        if not deleted:
+            store.delete(torch.tensor([398]))  # in the last chunk of the 200 written ids
+            deleted.append(398)
+
+    save_checkpoint(
+        tmp_path / "1",
+        {"t": store},
+        base=tmp_path / "0",
+        chunk_bytes=10 * store.layout.row_bytes,
+        pipelined=pipelined,
+        progress=delete_late_id,
+    )
+    removed = np.frombuffer((tmp_path / "1" / "t.removed").read_bytes(), dtype="<i8").tolist()
+    assert deleted == [398] and removed == [398]
+    fresh = new_store()
+    load_checkpoint(tmp_path / "1", {"t": fresh})
+    assert_same(store, fresh)
+    assert not bool(fresh.contains(torch.tensor([398]))[0])
+
+
+@pytest.mark.parametrize("which", ["textbook", "hardened"])
+def test_a_removed_id_repeated_across_a_slice_boundary_is_refused(chain, which):
+    """Removed ids read 8 to a slice (``chunk_bytes=64``): ids 7 and 8 of the file equal, so
+    the repeat lies exactly across the boundary. Kills: strict order checked within a slice
+    only (a repeated removal passes, and a merge could count it twice)."""
+    folder, _ = chain
+    ids = [1000 + i for i in range(16)]
+    ids[8] = ids[7]
+    rewrite_removed(folder / "d2", ids)
+    load = textbook.load_checkpoint if which == "textbook" else load_checkpoint
+    with pytest.raises(CheckpointError, match="ascend"):
+        load(folder / "d2", {"t": new_store()}, chunk_bytes=64)
+
+
+def _spaced_checkpoint(folder: Path) -> Path:
+    store = new_store()
+    store.set(
+        torch.arange(0, 600, 3), torch.randn(200, DIM + STATE, generator=torch.Generator().manual_seed(8))
+    )
+    save_checkpoint(folder / "c", {"t": store}, chunk_bytes=20 * store.layout.row_bytes)
+    return folder / "c"
+
+
+@pytest.mark.parametrize("field, shift", [("min_id", -1), ("max_id", 1)])
+@pytest.mark.parametrize("into", ["empty numba", "live torch", "textbook"])
+def test_a_chunk_whose_ids_are_not_its_manifest_range_is_refused(tmp_path, field, shift, into):
+    """A middle chunk's ``min_id`` one below its first id (or ``max_id`` one above its last),
+    still between its neighbours' (ids spaced by 3): only the content check R10 sees it.
+    Kills: a chunk's first id (or last) no longer compared with the manifest."""
+    path = _spaced_checkpoint(tmp_path)
+    edit_manifest(
+        path,
+        lambda m: m["tables"]["t"]["chunks"][3].update({field: m["tables"]["t"]["chunks"][3][field] + shift}),
+    )
+    store = new_store(into.split()[-1] if into != "textbook" else "reference")
+    if into.startswith("live"):
+        store.set(torch.tensor([1, 2]), torch.ones(2, DIM + STATE))
+    before = rows_of(store)
+    load = textbook.load_checkpoint if into == "textbook" else load_checkpoint
+    with pytest.raises(CheckpointError, match=r"chunk 3"):
+        load(path, {"t": store})
+    assert all(torch.equal(a, b) for a, b in zip(before, rows_of(store)))
+
+
+@pytest.mark.parametrize("which", ["textbook", "hardened"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_store_named_under_two_tables_gets_both_and_no_mark(tmp_path, which, backend):
+    """Tables ``a`` and ``b`` loaded into the one empty store: it holds both tables' rows,
+    and it has no mark (it equals neither table). Kills: such a store counted as empty (the
+    second table read in place over the first, or the mark set)."""
+    a, b = new_store(), new_store()
+    a.set(torch.arange(0, 50), torch.ones(50, DIM + STATE))
+    b.set(torch.arange(100, 140), torch.full((40, DIM + STATE), 2.0))
+    save_checkpoint(tmp_path / "c", {"a": a, "b": b})
+    both = new_store(backend)
+    load = textbook.load_checkpoint if which == "textbook" else load_checkpoint
+    load(tmp_path / "c", {"a": both, "b": both})
+    assert both.keys().tolist() == [*range(50), *range(100, 140)]
+    assert torch.equal(both.get(torch.arange(100, 140)), b.get(torch.arange(100, 140)))
+    assert both.mark is None

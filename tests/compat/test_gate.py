@@ -155,3 +155,17 @@ def test_recorded_noise_of_an_unchanged_tree_raises_no_alarm_and_a_3x_slowdown_f
     for name, planted_runs in planted.items():
         for ratios in planted_runs:
             assert not gate.Verdict(name, tuple(ratios)).passed, (name, ratios)
+
+
+def test_the_side_that_runs_first_alternates_by_round_and_by_figure():
+    """Kills: the order alternating by round only (every figure of a round then runs the same
+    side first) or by figure only (a figure's first side never changes)."""
+    from leanstate._tools.gate import this_tree_first
+
+    rounds, figures = 6, 5
+    firsts = [[this_tree_first(k, f) for f in range(figures)] for k in range(rounds)]
+    for k in range(rounds):  # within a round, neighbouring figures start on different sides
+        assert all(firsts[k][f] != firsts[k][f + 1] for f in range(figures - 1))
+    for f in range(figures):  # a figure starts on each side in turn
+        assert all(firsts[k][f] != firsts[k + 1][f] for k in range(rounds - 1))
+        assert sum(firsts[k][f] for k in range(rounds)) == rounds // 2

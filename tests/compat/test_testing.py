@@ -2,8 +2,8 @@
 correct one, leanstate's own wrapper and ZeRO.
 
 ``UserStore`` is what a user's Python wrapper over their own KV store looks like; each
-bug is one a real store gets wrong. The kit must catch at least 10 of the 12 and raise
-no false alarm on the correct store.
+bug is one a real store gets wrong (change tracking among them). The kit must catch each
+by the check named for it and raise no false alarm on the correct store.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ BUGS = [
     "metadata of a missing id is not zero",
     "get reads from column 0 whatever width_offset",
     "set past column 0 gives a new id zeros before its columns",
+    "changes never reports a removal",
+    "changes drops the removals after the first epoch it is asked about",
+    "a deleted and rewritten id is reported removed too",
 ]
 # Each bug and the check that must catch it: its name says what broke.
 CAUGHT_BY = {
@@ -77,6 +80,11 @@ CAUGHT_BY = {
     "metadata of a missing id is not zero": "test_random_operations_match_the_reference",
     "get reads from column 0 whatever width_offset": "test_random_operations_match_the_reference",
     "set past column 0 gives a new id zeros before its columns": "test_random_operations_match_the_reference",
+    "changes never reports a removal": "test_changes_since_each_epoch_match_the_reference",
+    "changes drops the removals after the first epoch it is asked about": (
+        "test_changes_since_each_epoch_match_the_reference"
+    ),
+    "a deleted and rewritten id is reported removed too": "test_changes_since_each_epoch_match_the_reference",
 }
 
 
@@ -86,7 +94,7 @@ class UserStore:
 
     def __init__(self, dim: int, *, bug: str | None = None, seed: int = 0, **options) -> None:
         assert bug in (None, *BUGS)
-        self.bug = bug
+        self.bug, self.deleted = bug, set()
         self.inner = KVStore(
             dim, backend="reference", seed=0 if bug == "the seed is ignored" else seed, **options
         )
@@ -181,8 +189,21 @@ class UserStore:
         return keys.flip(0) if self.bug == "keys are not sorted" else keys
 
     def delete(self, ids):
+        self.deleted.update(ids.tolist())
         deleted = self.inner.delete(ids)
         return len(ids) if self.bug == "delete counts what it was asked" else deleted
+
+    def changes(self, since=None):
+        written, removed = self.inner.changes(since=since)
+        if self.bug == "changes never reports a removal":
+            removed = removed[:0]
+        if self.bug == "changes drops the removals after the first epoch it is asked about":
+            first = since if since is not None else (self.inner.mark.epoch if self.inner.mark else 0)
+            removed = removed[~torch.isin(removed, self.inner.changes(since=first + 1)[1])]
+        if self.bug == "a deleted and rewritten id is reported removed too":
+            again = written[torch.isin(written, torch.tensor(sorted(self.deleted), dtype=torch.int64))]
+            removed = torch.unique(torch.cat([removed, again]))
+        return written, removed
 
     def set_rows(self, rows):
         if self.bug == "set_rows skips a negative key":
@@ -340,7 +361,7 @@ def test_spec_worked_example_fails_the_checks_it_says():
         "test_checkpoint_bytes_match_the_reference_and_load_back",
         "test_random_operations_match_the_reference",
     }, out
-    assert "keys() must ascend" in out and "4 failed, 15 passed" in out, out
+    assert "keys() must ascend" in out and "4 failed, 16 passed" in out, out
 
 
 def _rows_pair(dtype=torch.float32):
