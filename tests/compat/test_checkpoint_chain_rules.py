@@ -536,3 +536,60 @@ def test_a_full_checkpoint_across_ranks_with_a_delta_key_is_refused(tmp_path, ke
         leanstate.load_checkpoint(tmp_path / "c0", {"t": new_store()})
     with pytest.raises(CheckpointError, match="is a delta's key"):
         leanstate.compact_checkpoint(tmp_path / "c0", tmp_path / "out")
+
+
+def _removed(manifest: dict) -> dict:
+    return manifest["tables"]["t"]["removed"]
+
+
+DELTA_EDITS = {
+    "no removed entry": (
+        lambda m: m["tables"]["t"].pop("removed"),
+        r"tables\['t'\]: the required key 'removed'",
+    ),
+    "removed a list": (
+        lambda m: m["tables"]["t"].update(removed=[]),
+        r"tables\['t'\]\.removed must be an object",
+    ),
+    "removed without crc": (lambda m: _removed(m).pop("crc"), r"removed: the required key 'crc' is missing"),
+    "removed without min_id": (lambda m: _removed(m).pop("min_id"), r"removed: the required key 'min_id'"),
+    "removed of another file": (
+        lambda m: _removed(m).update(file="u.removed"),
+        r"removed\.file must be 't\.removed'",
+    ),
+    "removed ids a float": (
+        lambda m: _removed(m).update(ids=float(_removed(m)["ids"])),
+        r"removed\.ids and \.bytes",
+    ),
+    "removed bytes not 8 x ids": (
+        lambda m: _removed(m).update(bytes=_removed(m)["bytes"] + 8),
+        r"not 8 x ids",
+    ),
+    "removed min_id above max_id": (
+        lambda m: _removed(m).update(min_id=_removed(m)["max_id"] + 1),
+        r"removed\.min_id/max_id must be ids with min_id <= max_id",
+    ),
+    "base a string": (lambda m: m.update(base="../d1"), r"base must be an object"),
+    "base path absolute": (
+        lambda m: m["base"].update(path="/d1"),
+        r"base\.path must be a non-empty relative path",
+    ),
+    "base digest in capitals": (
+        lambda m: m["base"].update(manifest_sha256=m["base"]["manifest_sha256"].upper()),
+        r"base\.manifest_sha256 must be 64 lowercase hex digits",
+    ),
+    "version 3 and no base": (lambda m: (m.update(version=3), m.pop("base")), r"format version 3 of a delta"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(DELTA_EDITS))
+def test_a_delta_manifest_breaking_one_rule_is_refused_naming_its_key(tmp_path, edit):
+    """D1, D2, D5 and R3 in the hardened schema, message by message (the textbook refuses
+    each too, with the same class)."""
+    links, _ = build_chain(tmp_path)
+    change, message = DELTA_EDITS[edit]
+    edit_link(links, 0, change)
+    with pytest.raises(CheckpointError, match=message):
+        leanstate.load_checkpoint(links[0], {"t": new_store()})
+    with pytest.raises(CheckpointError):
+        textbook.load_checkpoint(links[0], {"t": new_store()})

@@ -168,6 +168,70 @@ EDITS = {
         lambda m: m.update(extra={"file": "extra.pt", "bytes": 1, "crc": 2**32}),
         r"extra\.bytes and extra\.crc must be ints",
     ),
+    # R3: every key present before it is read, each of its exact JSON type
+    "format-missing": (lambda m: m.pop("format"), r"manifest: the required key 'format' is missing"),
+    "version-99-and-no-views": (
+        lambda m: (m.update(version=99), m.pop("views")),
+        r"format version 99 is not supported",  # the version first, not the missing key
+    ),
+    "table-a-list": (lambda m: m["tables"].update(t=[]), r"tables\['t'\] must be an object"),
+    "table-without-file": (
+        lambda m: _table(m).pop("file"),
+        r"tables\['t'\]: the required key 'file' is missing",
+    ),
+    "table-without-max-id": (
+        lambda m: _table(m).pop("max_id"),
+        r"tables\['t'\]: the required key 'max_id' is missing",
+    ),
+    "table-bytes-a-float": (
+        lambda m: _table(m).update(bytes=float(_table(m)["bytes"])),
+        r"tables\['t'\]\.bytes must be an int",
+    ),
+    "table-rows-a-float": (
+        lambda m: _table(m).update(rows=float(_table(m)["rows"])),
+        r"tables\['t'\]\.rows must be an int",
+    ),
+    "dim-true": (lambda m: _table(m).update(dim=True), r"tables\['t'\]\.dim must be an int"),
+    "dtype-a-list": (lambda m: _table(m).update(dtype=["float32"]), r"tables\['t'\]\.dtype must be one of"),
+    "min-id-a-float": (
+        lambda m: _table(m).update(min_id=float(_table(m)["min_id"])),
+        r"tables\['t'\]\.min_id/max_id must be the first and last chunk's ids",
+    ),
+    "chunk-without-crc": (
+        lambda m: _chunk(1)(m).pop("crc"),
+        r"chunks\[1\]: the required key 'crc' is missing",
+    ),
+    "chunk-max-id-a-float": (
+        lambda m: _chunk(1)(m).update(max_id=float(_chunk(1)(m)["max_id"])),
+        r"chunks\[1\]\.max_id must be an id",
+    ),
+    "chunk-crc-true": (lambda m: _chunk(0)(m).update(crc=True), r"chunks\[0\]\.crc must be an unsigned"),
+    "view-not-an-object": (lambda m: m["views"].update(v=[]), r"views\['v'\] must be an object"),
+    "view-without-rows": (
+        lambda m: m["views"]["v"].pop("rows"),
+        r"views\['v'\]: the required key 'rows' is missing",
+    ),
+    "view-table-a-list": (
+        lambda m: m["views"]["v"].update(table=["t"]),
+        r"views\['v'\]\.table must name a table",
+    ),
+    "extra-without-crc": (
+        lambda m: m.update(extra={"file": "extra.pt", "bytes": 1}),
+        r"extra must be null or",
+    ),
+    "extra-bytes-a-float": (
+        lambda m: m.update(extra={"file": "extra.pt", "bytes": 1.0, "crc": 1}),
+        r"extra\.bytes and extra\.crc must be ints",
+    ),
+    # R12: a delta's own keys in a manifest of the full format
+    "base-in-a-full-manifest": (
+        lambda m: m.update(base={"path": "../x", "manifest_sha256": "0" * 64}),
+        r"base is a delta's key",
+    ),
+    "removed-in-a-full-table": (
+        lambda m: _table(m).update(removed={"file": "t.removed"}),
+        r"tables\['t'\]\.removed is a delta's key",
+    ),
 }
 
 
