@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -255,3 +256,9 @@ def backend_info() -> BackendInfo:
 
 
 CHOSEN = BackendInfo(requested=os.environ.get(ENV_VAR, "auto").strip() or "auto")
+if CHOSEN.requested != "auto" and CHOSEN.requested not in backends():
+    warnings.warn(
+        f"{ENV_VAR}={CHOSEN.requested!r} is not a backend (one of auto, {', '.join(backends())}); "
+        "choosing as for auto (leanstate.backend_info() says what was chosen)",
+        stacklevel=2,
+    )

@@ -10,6 +10,26 @@ import sys
 from pathlib import Path
 
 import leanstate
+from leanstate._backends import backends
+
+BACKENDS = backends()  # the registry's names, for --backend's choices
+
+
+def _positive(text: str) -> int:
+    """An argument that must be an integer >= 1 (argparse says so, not a traceback later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _missing_files(paths: list[str], what: str) -> str | None:
+    """The message for the first of ``paths`` that is not a file, or None."""
+    missing = next((p for p in paths if not Path(p).is_file()), None)
+    return None if missing is None else f"bench: {what} {missing} does not exist (or is not a file)"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -27,6 +47,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from leanstate._tools.bench import main as bench
 
+    problem = _missing_files(args.compare or [], "--compare file") or _missing_files(
+        args.history, "--history file"
+    )
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
     return bench(args)
 
 
@@ -51,6 +77,9 @@ def _convert(args: argparse.Namespace) -> int:
             "checkpoint directory",
             file=sys.stderr,
         )
+        return 1
+    if target.exists() and not target.is_dir():
+        print(f"convert: {target} exists and is not a directory; choose another target", file=sys.stderr)
         return 1
     if target.exists() and any(target.iterdir()) and not args.force:
         print(
@@ -109,24 +138,36 @@ def _add_demo(commands) -> None:
     demo = commands.add_parser(
         "demo", help="train a click model across gloo ranks, checkpoint, resume and reshard it, prove it"
     )
-    demo.add_argument("--nproc", type=int, default=2, help="gloo ranks (the elastic proofs use 1 and 2)")
-    demo.add_argument("--steps", type=int, default=60, help="training steps")
-    demo.add_argument("--every", type=int, default=10, help="a whole-row checkpoint every this many steps")
+    demo.add_argument(
+        "--nproc", type=_positive, default=2, help="gloo ranks (the elastic proofs use 1 and 2)"
+    )
+    demo.add_argument("--steps", type=_positive, default=60, help="training steps")
+    demo.add_argument(
+        "--every", type=_positive, default=10, help="a whole-row checkpoint every this many steps"
+    )
     demo.add_argument(
         "--full-every",
-        type=int,
+        type=_positive,
         default=3,
         help="every this many checkpoints a full one; the ones between are deltas (1: all full)",
     )
-    demo.add_argument("--batch", type=int, default=1024, help="samples per global batch")
-    demo.add_argument("--ids", type=int, default=200_000, help="distinct raw ids per feature (Zipf-drawn)")
-    demo.add_argument("--dim", type=int, default=16, help="embedding dim")
+    demo.add_argument("--batch", type=_positive, default=1024, help="samples per global batch")
     demo.add_argument(
-        "--backend", default=None, help="store and embedding backend (default: the import-time choice)"
+        "--ids", type=_positive, default=200_000, help="distinct raw ids per feature (Zipf-drawn)"
+    )
+    demo.add_argument("--dim", type=_positive, default=16, help="embedding dim")
+    demo.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="store and embedding backend (default: the import-time choice)",
     )
     demo.add_argument("--out", default="demo-out", help="folder for the checkpoints and demo.png")
     demo.add_argument(
-        "--memory-rows", type=int, default=1_000_000, help="rows of the table the load-memory proof loads"
+        "--memory-rows",
+        type=_positive,
+        default=1_000_000,
+        help="rows of the table the load-memory proof loads",
     )
     demo.set_defaults(run=_demo)
 
@@ -135,20 +176,26 @@ def _add_bench(commands) -> None:
     """``leanstate bench``: the table of figures beside their peers, the gate, comparisons and history."""
     bench = commands.add_parser("bench", help="quick benchmarks with ratios against peers")
     bench.add_argument(
-        "--rows", type=int, default=None, metavar="N", help="rows in each table (200,000; quick 100,000)"
+        "--rows",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="rows in each table (200,000; quick 100,000)",
     )
     bench.add_argument(
         "--checkpoint-rows",
-        type=int,
+        type=_positive,
         default=None,
         metavar="N",
         help="checkpointed rows (1,000,000; quick 300,000)",
     )
-    bench.add_argument("--dim", type=int, default=None, metavar="N", help="embedding dim (128)")
+    bench.add_argument("--dim", type=_positive, default=None, metavar="N", help="embedding dim (128)")
     bench.add_argument(
-        "--batch", type=int, default=None, help="ids per store get/set batch (16,384; quick 8,192)"
+        "--batch", type=_positive, default=None, help="ids per store get/set batch (16,384; quick 8,192)"
     )
-    bench.add_argument("--backend", default=None, help="backend of the checkpoint and embedding rows")
+    bench.add_argument(
+        "--backend", default=None, choices=BACKENDS, help="backend of the checkpoint and embedding rows"
+    )
     bench.add_argument(
         "--quick", action="store_true", help="smaller sizes, fewer rounds, steps and ranks (3-7 min)"
     )
@@ -168,7 +215,7 @@ def _add_bench(commands) -> None:
         "alone: what got slower or faster than REV, the two trees' rounds interleaved",
     )
     bench.add_argument(
-        "--rounds", type=int, default=7, metavar="N", help="paired rounds of --gate/--against (7)"
+        "--rounds", type=_positive, default=7, metavar="N", help="paired rounds of --gate/--against (7)"
     )
     bench.add_argument(
         "--compare",
@@ -196,7 +243,7 @@ def _add_inspect(commands) -> None:
 def _add_verify(commands) -> None:
     """``leanstate verify``."""
     verify = commands.add_parser("verify", help="check every installed backend against the reference")
-    verify.add_argument("--backend", default=None, help="only this backend's checks")
+    verify.add_argument("--backend", default=None, choices=BACKENDS, help="only this backend's checks")
     verify.add_argument("--quick", action="store_true", help="fewer random workloads (about a minute)")
     verify.set_defaults(run=_verify)
 
@@ -218,7 +265,10 @@ def _add_compact(commands) -> None:
     compact.add_argument("source", help="the head of the chain (a delta checkpoint directory)")
     compact.add_argument("target", help="the full checkpoint to write (atomically)")
     compact.add_argument(
-        "--chunk-bytes", type=int, default=64 * 2**20, help="chunk size of the written file (default 64 MiB)"
+        "--chunk-bytes",
+        type=_positive,
+        default=64 * 2**20,
+        help="chunk size of the written file (default 64 MiB)",
     )
     compact.add_argument("--force", action="store_true", help="replace the target if it exists")
     compact.set_defaults(run=_compact)
@@ -230,8 +280,8 @@ def _add_gpu_check(commands) -> None:
         "gpu-check", help="the GPU bench and the gpu-marked tests (needs a CUDA device, or --simulate)"
     )
     gpu.add_argument("--out", default="gpu-check", help="folder for the bench table and the test report")
-    gpu.add_argument("--rows", type=int, default=None, help="rows in each device store (default 2**22)")
-    gpu.add_argument("--batch", type=int, default=None, help="ids per batch (default 2**20)")
+    gpu.add_argument("--rows", type=_positive, default=None, help="rows in each device store (default 2**22)")
+    gpu.add_argument("--batch", type=_positive, default=None, help="ids per batch (default 2**20)")
     gpu.add_argument(
         "--simulate", action="store_true", help="run the same script in numba's CUDA simulator, at tiny sizes"
     )

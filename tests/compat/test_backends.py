@@ -177,3 +177,25 @@ def test_checkpoint_backend_argument_is_deprecated_and_ignored(tmp_path):
     with pytest.warns(DeprecationWarning, match="deprecated and ignored"):
         leanstate.load_checkpoint(tmp_path / "c", {"t": fresh}, backend="torch")
     assert torch.equal(fresh.get_rows(store.keys()), store.get_rows(store.keys()))
+
+
+def test_an_unknown_backend_in_the_environment_warns_at_import():
+    environment = {k: v for k, v in os.environ.items() if k != _backends.ENV_VAR} | {
+        "LEANSTATE_BACKEND": "bogus"
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import leanstate"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "LEANSTATE_BACKEND='bogus' is not a backend" in done.stderr
+    quiet = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import leanstate"],
+        env=environment | {"LEANSTATE_BACKEND": "numba"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert quiet.returncode == 0, quiet.stderr

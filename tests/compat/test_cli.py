@@ -2,6 +2,9 @@
 convert refusing to replace a checkpoint without --force, and every error one line that
 names the path and the fix."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 import leanstate
@@ -89,3 +92,37 @@ def test_inspect_shows_each_link_of_a_chain_and_compact_merges_it(tmp_path, caps
     assert main(["compact", str(tmp_path / "c1"), str(tmp_path / "again")]) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "t.removed" in error and not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["bench", "--rows", "-5"], "argument --rows: -5 is not >= 1"),
+        (["bench", "--dim", "x"], "argument --dim: 'x' is not an integer"),
+        (["bench", "--backend", "nosuch"], "argument --backend: invalid choice: 'nosuch'"),
+        (["demo", "--nproc", "0"], "argument --nproc: 0 is not >= 1"),
+        (["compact", "a", "b", "--chunk-bytes", "0"], "argument --chunk-bytes: 0 is not >= 1"),
+        (["verify", "--backend", "nosuch"], "argument --backend: invalid choice"),
+    ],
+)
+def test_a_bad_argument_is_a_usage_error_not_a_traceback(argv, says, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_bench_names_a_missing_compare_or_history_file(tmp_path, capsys):
+    assert main(["bench", "--compare", str(tmp_path / "old.json"), str(tmp_path / "new.json")]) == 1
+    assert "--compare file" in capsys.readouterr().err
+    assert main(["bench", "--html", str(tmp_path / "page"), "--history", str(tmp_path / "h.json")]) == 1
+    assert "--history file" in capsys.readouterr().err and not (tmp_path / "page").exists()
+
+
+def test_convert_onto_an_existing_file_is_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    source = Path(__file__).parents[2] / "spec" / "vectors" / "checkpoint_v1"
+    assert main(["convert", str(source), str(tmp_path / "afile")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
