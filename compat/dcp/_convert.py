@@ -13,11 +13,11 @@ from leanstate.checkpoint._files import (
     checked_target,
     publish,
     read_extra,
-    read_manifest,
+    read_manifest_and_digest,
     staged,
     write_synced,
 )
-from leanstate.checkpoint._format import DTYPES, MANIFEST, table_entry
+from leanstate.checkpoint._format import DTYPES, MANIFEST, is_delta, table_entry
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import DEFAULT_CHUNK_BYTES, INDEX_KEY, NativeTable
 from leanstate.dcp._transaction import load, save
@@ -92,7 +92,12 @@ def convert(
     """
     source, target = Path(source), Path(target)
     if (source / MANIFEST).is_file():
-        version, manifest = read_manifest(source)
+        version, manifest, _ = read_manifest_and_digest(source)
+        if is_delta(manifest):
+            raise CheckpointError(
+                f"convert: {source} is a delta checkpoint (the rows changed since its base); merge its chain "
+                f"into one full checkpoint first: `python -m leanstate compact {source} FULL`, then convert FULL"
+            )
         if version != FORMAT_VERSION:
             raise CheckpointError(
                 f"convert: {source} is a version-{version} (sharded) checkpoint; load it into a "

@@ -126,3 +126,15 @@ def test_convert_onto_an_existing_file_is_refused(tmp_path, capsys):
     assert main(["convert", str(source), str(tmp_path / "afile")]) == 1
     assert "is not a directory" in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_convert_of_a_delta_says_to_compact_it_first(tmp_path, capsys):
+    store = filled()
+    leanstate.save_checkpoint(tmp_path / "c0", {"t": store})
+    store.set(torch.tensor([1]), torch.zeros(1, store.dim))
+    leanstate.save_checkpoint(tmp_path / "d1", {"t": store}, base=tmp_path / "c0")
+    assert main(["convert", str(tmp_path / "d1"), str(tmp_path / "out")]) == 1
+    assert f"python -m leanstate compact {tmp_path / 'd1'} FULL" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["compact", str(tmp_path / "d1"), str(tmp_path / "full")]) == 0
+    assert main(["convert", str(tmp_path / "full"), str(tmp_path / "out")]) == 0
