@@ -115,6 +115,29 @@ def run_probe(script: str, *args: object, timeout: float = 600) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# -- processes killed mid-way --------------------------------------------------------------
+
+
+def kill_during(fn, args: tuple, trial: int, window: float) -> None:
+    """Run ``fn(*args, ready, go)`` in a process of its own (forked from a server that
+    imported torch: a fresh interpreter would spend seconds importing it), let it set up
+    until it sets ``ready``, then ``go`` and SIGKILL it a random time (seeded by ``trial``)
+    within ``window`` seconds later."""
+    import random
+
+    from leanstate._tools.ranks import forked
+
+    context = forked(fn)
+    ready, go = context.Event(), context.Event()
+    child = context.Process(target=fn, args=(*args, ready, go))
+    child.start()
+    assert ready.wait(120)
+    go.set()
+    time.sleep(random.Random(trial).uniform(0.0, window))
+    child.kill()  # SIGKILL
+    child.join()
+
+
 # -- ranks --------------------------------------------------------------------------------
 
 

@@ -239,16 +239,8 @@ def table_problem(key: str, table: object, file: str) -> str | None:
     return id_ends_problem(key, table, (chunks[0]["min_id"], chunks[-1]["max_id"]))
 
 
-LAYOUT_KEYS = (
-    "dim",
-    "optimizer_state_dim",
-    "dtype",
-    "header_elems",
-    "width",
-    "row_bytes",
-    "rows",
-    "checksum",
-)
+# a table's layout keys, the same in both versions (version 2 lists its files elsewhere)
+LAYOUT_KEYS = tuple(key for key in TABLE_KEYS if key not in ("file", "bytes", "min_id", "max_id", "chunks"))
 
 
 def layout_problem(key: str, table: dict) -> str | None:

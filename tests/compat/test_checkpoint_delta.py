@@ -5,9 +5,7 @@ killed save loses no change."""
 
 import hashlib
 import json
-import random
 import shutil
-import time
 from pathlib import Path
 
 import crc32c
@@ -18,13 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leanstate import _backends
-from leanstate._tools.ranks import forked
 from leanstate.checkpoint import _chain as _checkpoint_chain
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference import delta_checkpoint as textbook
 from leanstate.reference.checkpoint import CheckpointError
-from tests.harness import FakeClock
+from tests.harness import FakeClock, kill_during
 
 BACKENDS = ["reference", "numba", "torch"]
 DIM, STATE = 6, 2
@@ -244,15 +241,7 @@ def _delta_save_when_told(folder: str, ready, go) -> None:
 
 @pytest.mark.parametrize("trial", range(6))
 def test_a_delta_save_killed_at_a_random_point_leaves_the_chain_whole(tmp_path, trial):
-    context = forked(_delta_save_when_told)
-    ready, go = context.Event(), context.Event()
-    child = context.Process(target=_delta_save_when_told, args=(str(tmp_path), ready, go))
-    child.start()
-    assert ready.wait(120)
-    go.set()
-    time.sleep(random.Random(trial).uniform(0.0, 0.1))
-    child.kill()  # SIGKILL
-    child.join()
+    kill_during(_delta_save_when_told, (str(tmp_path),), trial, 0.1)
     fresh = new_store()
     load_checkpoint(tmp_path / "0", {"t": fresh})
     assert len(fresh) == 4000 and torch.all(fresh.get(fresh.keys()) == 0)
@@ -283,15 +272,7 @@ def _compaction_when_told(folder: str, ready, go) -> None:
 def test_a_compaction_killed_at_a_random_point_leaves_the_chain_and_the_old_destination(tmp_path, trial):
     """kill -9 during ``compact --force``: the chain still loads, and ``out`` is either the
     checkpoint it was or the whole compaction, never a mix."""
-    context = forked(_compaction_when_told)
-    ready, go = context.Event(), context.Event()
-    child = context.Process(target=_compaction_when_told, args=(str(tmp_path), ready, go))
-    child.start()
-    assert ready.wait(120)
-    go.set()
-    time.sleep(random.Random(trial).uniform(0.0, 0.08))
-    child.kill()  # SIGKILL
-    child.join()
+    kill_during(_compaction_when_told, (str(tmp_path),), trial, 0.08)
     chain = new_store()
     load_checkpoint(tmp_path / "1", {"t": chain})
     assert len(chain) == 4000

@@ -8,9 +8,7 @@ empty one is emptied again), and make ``leanstate inspect`` say BAD.
 import fcntl
 import io
 import json
-import random
 import threading
-import time
 from pathlib import Path
 
 import crc32c
@@ -19,14 +17,13 @@ import pytest
 import torch
 
 from leanstate._tools.cli import main as leanstate_main
-from leanstate._tools.ranks import forked
 from leanstate.checkpoint import _background, load_checkpoint, save_checkpoint, verify_checkpoint
 from leanstate.checkpoint import _files as _checkpoint_files
 from leanstate.checkpoint._background import finish_removals
 from leanstate.checkpoint._files import read_manifest
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
-from tests.harness import FakeClock
+from tests.harness import FakeClock, kill_during
 
 ROWS = 120
 
@@ -430,17 +427,7 @@ def test_a_save_killed_at_a_random_point_leaves_the_old_or_the_new_checkpoint(tm
     replacing = trial % 4 != 0  # most trials replace a checkpoint; some save where there was none
     if replacing:
         save_version(path, 1)
-    # a process of its own (forked from a server that imported torch: a fresh interpreter
-    # would spend seconds importing it before the save)
-    context = forked(_save_when_told)
-    ready, go = context.Event(), context.Event()
-    child = context.Process(target=_save_when_told, args=(str(path), ready, go))
-    child.start()
-    assert ready.wait(120)
-    go.set()
-    time.sleep(random.Random(trial).uniform(0.0, 0.15))
-    child.kill()  # SIGKILL
-    child.join()
+    kill_during(_save_when_told, (str(path),), trial, 0.15)
     if (path / "manifest.json").exists():
         assert version_at(path) in ((1, 2) if replacing else (2,))
     else:
