@@ -46,20 +46,9 @@ import torch
 
 from leanstate.reference.checkpoint import (
     DEFAULT_CHUNK_BYTES,
-    DTYPES,
-    EXTRA_FILE,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST,
-    CheckpointError,
-    body_problem,
     check_chunk_bytes,
     check_layout,
-    ends_problem,
-    is_json_int,
-    manifest_problem,
     mark_loaded,
-    missing_key,
     open_regular,
     overlaps,
     publish,
@@ -74,6 +63,19 @@ from leanstate.reference.checkpoint import (
     write_table,
 )
 from leanstate.reference.checkpoint import save_checkpoint as save_full_checkpoint
+from leanstate.reference.checkpoint_manifest import (
+    DTYPES,
+    EXTRA_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    body_problem,
+    ends_problem,
+    is_json_int,
+    manifest_problem,
+    missing_key,
+)
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words

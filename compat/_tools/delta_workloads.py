@@ -97,7 +97,7 @@ class DeltaChain:
         load_checkpoint(self.final, {"t": self.fresh_store()})
 
     def compact(self) -> None:
-        compact_checkpoint(self.chain, self.folder / "compacted")
+        compact_checkpoint(self.chain, self.folder / "compacted", overwrite=True)  # each round replaces it
 
     def save_final(self) -> None:
         """The peer of the compaction: a full save of a store holding the chain's rows."""

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from leanstate.checkpoint._arguments import Target, check_id_range, chunks_in_range, targets_of
 from leanstate.checkpoint._chunks import TableRead, read_chunks, write_store
 from leanstate.checkpoint._files import (
     checked_target,
@@ -37,14 +38,11 @@ from leanstate.checkpoint._files import (
 from leanstate.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     Progress,
-    Target,
     check_chunk_bytes,
-    check_id_range,
-    chunks_in_range,
     is_delta,
     table_entry,
-    targets_of,
 )
+from leanstate.checkpoint._module_tables import restore_module_extra, with_module_extra
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
 from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION
 from leanstate.reference.kv_store import SupportsRows
@@ -86,7 +84,9 @@ def save_checkpoint(
     ``tables`` maps names to stores or whole-row KVTensors (their rows, recomputed from
     the store now) or to other views of a store saved under another name (recorded as
     views: a read-only optimizer view costs no bytes, its rows live in the whole rows).
-    ``progress(table, rows_done, rows_total)`` is called after each chunk. A crash never
+    ``progress(table, rows_done, rows_total)`` is called after each chunk. A module's
+    ``checkpoint_tables()`` brings the module's extra state (its optimizer step) along:
+    it is saved beside ``extra`` and restored by ``load_checkpoint``. A crash never
     leaves a half-written checkpoint at ``path`` and never destroys the previous one.
     ``pipelined``: overlap the gather of the next chunk with the write of this one (the
     same bytes; ``False`` is the plain loop). Returns ``path``.
@@ -109,6 +109,7 @@ def save_checkpoint(
         >>> leanstate.save_checkpoint("ckpt-1", {"user": store}, base="ckpt-0")  # the changes only
     """
     _backend_argument(backend, "save_checkpoint")
+    extra = with_module_extra(tables, extra, "save_checkpoint")
     if process_group is not None:
         return save_sharded(
             path, tables, process_group=process_group, extra=extra, chunk_bytes=chunk_bytes, base=base
@@ -207,6 +208,13 @@ def load_checkpoint(
         >>> extra = leanstate.load_checkpoint("ckpt", {"user": fresh_store})
     """
     _backend_argument(backend, "load_checkpoint")
+    extra = _load(path, tables, id_range, progress, chunk_bytes, process_group)
+    restore_module_extra(tables, extra)
+    return extra
+
+
+def _load(path, tables, id_range, progress, chunk_bytes, process_group) -> dict[str, object]:
+    """``load_checkpoint`` of whatever the checkpoint at ``path`` is; its extra state."""
     if process_group is not None:
         if id_range is not None:
             raise ValueError(

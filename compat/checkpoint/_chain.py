@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leanstate.checkpoint._arguments import Target, check_layout, chunks_in_range, in_range
 from leanstate.checkpoint._chunks import (
     ChunkFile,
     TableRead,
@@ -60,10 +61,6 @@ from leanstate.checkpoint._format import (
     SLICE_BYTES,
     CheckpointError,
     Progress,
-    Target,
-    check_layout,
-    chunks_in_range,
-    in_range,
     is_delta,
     table_entry,
 )

@@ -43,7 +43,7 @@ from leanstate.checkpoint._format import (
     manifest_v2_problem,
     saved_across_ranks,
 )
-from leanstate.reference.checkpoint import MAX_DEPTH, MAX_INT_DIGITS, CheckpointError
+from leanstate.reference.checkpoint_manifest import MAX_DEPTH, MAX_INT_DIGITS, CheckpointError
 
 
 def fsync_dir(path: Path) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate.checkpoint import _files as files
+from leanstate.checkpoint._arguments import Target, check_layout, targets_of
 from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
 from leanstate.checkpoint._chunks import (
     TableRead,
@@ -53,12 +54,9 @@ from leanstate.checkpoint._format import (
     MANIFEST,
     REMOVED_SUFFIX,
     SLICE_BYTES,
-    Target,
     check_chunk_bytes,
-    check_layout,
     is_delta,
     layout_fields,
-    targets_of,
 )
 from leanstate.checkpoint._load import (
     apply_tables,

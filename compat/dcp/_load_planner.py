@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from leanstate.checkpoint._arguments import check_layout
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.checkpoint._chunks import in_saving_order
-from leanstate.checkpoint._format import check_layout
 from leanstate.dcp._state import (
     CRC,
     FIRST_BUCKET,

@@ -29,6 +29,7 @@ from torch import nn
 from leanstate import _backends
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
+from leanstate.checkpoint._module_tables import ModuleTables
 from leanstate.embedding._bag_input import batch_summary, checked_batch
 from leanstate.embedding._collection import TableCollection
 from leanstate.embedding._config import BagConfig, bag_arguments
@@ -165,7 +166,9 @@ class KVEmbeddingBag(nn.Module):
         # the optimizer's live hyperparameters: a scheduler writes them (config keeps the constructor's)
         self.lr, self.eps, self.weight_decay = config.lr, config.eps, config.weight_decay
         self.fields = state_fields(optimizer, embedding_dim)  # float32 columns
-        self.optimizer_step = 0  # Adam's bias correction counts backward passes, as FBGEMM's iter
+        # Adam's bias correction counts backward passes, as FBGEMM's iter: a tensor the module
+        # owns, which state_dict() returns itself, so a load in place (dcp.load) restores it
+        self._step = torch.zeros((), dtype=torch.int64)
         self.stats = {"batches": 0, "ids": 0, "padding_ids": 0, "unique_ids": 0}
         common = dict(num_shards=num_shards, seed=seed, clock=clock, device=device, backend=name)
         if optimizer_offloading:
@@ -369,17 +372,27 @@ class KVEmbeddingBag(nn.Module):
                 return self._field_views()[name]
             raise
 
+    @property
+    def optimizer_step(self) -> int:
+        """Backward passes so far (Adam's bias correction counts them)."""
+        return int(self._step)
+
+    @optimizer_step.setter
+    def optimizer_step(self, step: int) -> None:
+        self._step.fill_(int(step))
+
     def get_extra_state(self) -> torch.Tensor:
-        """The optimizer step (Adam's bias correction counts it) as a 0-d int64 tensor, so every
-        state-dict path (``load_state_dict``, ``dcp.save``/``load``) carries it."""
-        return torch.tensor(self.optimizer_step, dtype=torch.int64)
+        """The optimizer step as the module's own 0-d int64 tensor (not a copy), so every
+        state-dict path carries it: ``load_state_dict``, and ``dcp.load`` in place."""
+        return self._step
 
     def set_extra_state(self, state) -> None:
         """Restore the optimizer step from :meth:`get_extra_state`'s tensor (or an int, or
         :meth:`extra_state`'s dict)."""
         if isinstance(state, Mapping):
             state = state["optimizer_step"]
-        self.optimizer_step = int(state)
+        if state is not self._step:  # a load in place wrote it already
+            self.optimizer_step = int(state)
 
     def _field_views(self) -> dict[str, KVTensor]:
         """One KVTensor per optimizer field: read-only in the rows, or of the state store."""
@@ -449,13 +462,16 @@ class KVEmbeddingBag(nn.Module):
             self.store.set(ids, chunk.to(self.device, self.dtype))
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
-        """What ``save_checkpoint`` / ``load_checkpoint`` take for this module."""
+        """What ``save_checkpoint`` / ``load_checkpoint`` take for this module; they save and
+        restore its :meth:`extra_state` (the optimizer step) with the tables."""
         if self.optimizer_offloading:
-            return {"weight": KVTensor(self.store, whole_rows=True), **self._field_views()}
+            return ModuleTables(
+                {"weight": KVTensor(self.store, whole_rows=True), **self._field_views()}, self
+            )
         tables = {"weight": self.store}
         if self.state_store is not None:
             tables["optimizer_state"] = self.state_store
-        return tables
+        return ModuleTables(tables, self)
 
     def extra_state(self) -> dict[str, int]:
         """Dense state to save beside the tables (``extra=`` of ``save_checkpoint``)."""
@@ -540,9 +556,11 @@ class KVEmbeddingBagCollection(TableCollection):
         return self._keyed(shape, pooled)
 
     def checkpoint_tables(self) -> dict[str, KVStore | KVTensor]:
-        """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``."""
-        return {
+        """Every table's ``checkpoint_tables()``, named ``"<table>.<name>"``: one ``save_checkpoint``
+        (with every table's optimizer step, :meth:`extra_state`)."""
+        tables = {
             f"{table}.{name}": value
             for table, bag in self.embedding_bags.named_children()
             for name, value in bag.checkpoint_tables().items()
         }
+        return ModuleTables(tables, self)

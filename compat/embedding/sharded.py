@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint._module_tables import ModuleTables
 from leanstate.embedding import KVEmbeddingBag
 from leanstate.embedding._collection import TableCollection
 from leanstate.embedding._torchrec_shapes import KeyedTensor, KVTableConfig, table_configs, table_inputs
@@ -192,7 +193,7 @@ class ShardedKVEmbeddingBagCollection(TableCollection):
             tables[f"{name}.weight"] = BucketedTable(bag.store, buckets, size)
             if bag.state_store is not None:
                 tables[f"{name}.optimizer_state"] = BucketedTable(bag.state_store, buckets, size)
-        return tables
+        return ModuleTables(tables, self)
 
     # -- the exchange ---------------------------------------------------------------
 

@@ -581,3 +581,62 @@ def test_the_collection_has_torchrecs_accessors_for_its_tables_given_either_way(
     rebuilt = KVEmbeddingBagCollection([config])
     ids = torch.arange(VOCAB)
     assert torch.equal(rebuilt.embedding_bags["u"].store.get(ids), bags.embedding_bags["u"].store.get(ids))
+
+
+def _adam_collection(backend):
+    config = KVTableConfig("t", 4, feature_names=["f"], optimizer="adam", lr=0.05)
+    return KVEmbeddingBagCollection([config], clock=FakeClock(), backend=backend)
+
+
+def _train(ebc, steps, start=0):
+    for step in range(start, start + steps):
+        ids = torch.tensor([1, 2, 3, 5 + step])
+        ebc(KeyedJaggedTensor(["f"], ids, lengths=torch.tensor([2, 2]))).values().pow(2).sum().backward()
+
+
+def _rows(ebc):
+    store = ebc.embedding_bags["t"].store
+    return store.get_rows(store.keys()).view(torch.int32)
+
+
+@pytest.mark.parametrize("path", ["save_checkpoint without extra", "dcp in place"])
+def test_adam_resumes_bit_identically_on_either_path_without_extra(tmp_path, path):
+    """The optimizer step (Adam's bias correction) comes back on the two paths that lost it:
+    ``save_checkpoint(p, ebc.checkpoint_tables())`` with no ``extra=``, and ``dcp.save`` /
+    ``dcp.load`` of ``model.state_dict()`` in place with no ``load_state_dict``. Kills: the
+    step kept in a copy, the module's extra state left out of its tables' save."""
+    import leanstate.dcp as kvdcp
+
+    straight = _adam_collection("reference")
+    _train(straight, 6)
+    first = _adam_collection("reference")
+    _train(first, 3)
+    resumed = _adam_collection("reference")
+    if path == "dcp in place":
+        kvdcp.save({"m": first.state_dict()}, checkpoint_id=tmp_path / "c")
+        kvdcp.load({"m": resumed.state_dict()}, checkpoint_id=tmp_path / "c")
+    else:
+        save_checkpoint(tmp_path / "c", first.checkpoint_tables())
+        load_checkpoint(tmp_path / "c", resumed.checkpoint_tables())
+    assert resumed.extra_state() == {"t": {"optimizer_step": 3}}
+    _train(resumed, 3, start=3)
+    assert torch.equal(_rows(resumed), _rows(straight))
+
+
+def test_the_modules_step_and_the_callers_extra_are_saved_together(tmp_path):
+    ebc = _adam_collection("reference")
+    _train(ebc, 2)
+    save_checkpoint(tmp_path / "c", ebc.checkpoint_tables(), extra={"epoch": 4})
+    fresh = _adam_collection("reference")
+    assert load_checkpoint(tmp_path / "c", fresh.checkpoint_tables()) == {
+        "epoch": 4,
+        "t": {"optimizer_step": 2},
+    }
+    assert fresh.embedding_bags["t"].optimizer_step == 2
+    with pytest.raises(ValueError, match=r"extra\['t'\].*leave that key out"):
+        save_checkpoint(tmp_path / "d", ebc.checkpoint_tables(), extra={"t": {"optimizer_step": 9}})
+    bag = ebc.embedding_bags["t"]
+    save_checkpoint(tmp_path / "b", bag.checkpoint_tables())
+    again = KVEmbeddingBag(None, 4, optimizer="adam", lr=0.05, clock=FakeClock())
+    load_checkpoint(tmp_path / "b", again.checkpoint_tables())
+    assert again.optimizer_step == 2
