@@ -593,3 +593,33 @@ def test_a_delta_manifest_breaking_one_rule_is_refused_naming_its_key(tmp_path, 
         leanstate.load_checkpoint(links[0], {"t": new_store()})
     with pytest.raises(CheckpointError):
         textbook.load_checkpoint(links[0], {"t": new_store()})
+
+
+def test_a_delta_in_one_process_of_a_base_saved_across_ranks_is_refused(tmp_path):
+    """Kills: the version check of a one-process delta's base left out (it would write a
+    version-1 delta naming a version-2 base, a chain no reader loads)."""
+    store = new_store()
+    store.set(torch.arange(20), torch.ones(20, WIDTH))
+    with one_rank_group() as group:
+        leanstate.save_checkpoint(tmp_path / "c0", {"t": BucketedTable(store, 4, None)}, process_group=group)
+    with pytest.raises(ValueError, match="saved across ranks; save its delta with process_group="):
+        leanstate.save_checkpoint(tmp_path / "d1", {"t": store}, base=tmp_path / "c0")
+    assert not (tmp_path / "d1").exists()
+
+
+def test_compacting_a_chain_across_ranks_onto_an_existing_checkpoint_needs_overwrite(tmp_path):
+    """Kills: the existing-destination check placed after the version-2 branch (which returns)."""
+    store = new_store()
+    store.set(torch.arange(20), torch.ones(20, WIDTH))
+    tables = {"t": BucketedTable(store, 4, None)}
+    with one_rank_group() as group:
+        leanstate.save_checkpoint(tmp_path / "c0", tables, process_group=group)
+        store.set(torch.tensor([3]), torch.zeros(1, WIDTH))
+        leanstate.save_checkpoint(tmp_path / "d1", tables, process_group=group, base=tmp_path / "c0")
+    leanstate.save_checkpoint(tmp_path / "out", {"t": new_store()})
+    before = (tmp_path / "out" / "manifest.json").read_bytes()
+    with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+        leanstate.compact_checkpoint(tmp_path / "d1", tmp_path / "out")
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == before
+    leanstate.compact_checkpoint(tmp_path / "d1", tmp_path / "out", overwrite=True)
+    assert manifest_of(tmp_path / "out")["version"] == 2

@@ -175,6 +175,8 @@ EDITS = {
         r"format version 99 is not supported",  # the version first, not the missing key
     ),
     "table-a-list": (lambda m: m["tables"].update(t=[]), r"tables\['t'\] must be an object"),
+    "table-a-number": (lambda m: m["tables"].update(t=5), r"tables\['t'\] must be an object"),
+    "table-without-bytes": (lambda m: _table(m).pop("bytes"), r"tables\['t'\]: the required key 'bytes'"),
     "table-without-file": (
         lambda m: _table(m).pop("file"),
         r"tables\['t'\]: the required key 'file' is missing",
