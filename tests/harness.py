@@ -185,6 +185,49 @@ def run_world(world: int, folder: Path, module: str, names: list[str] | None = N
         return _run_world_once(world, folder, module, names)
 
 
+ONE_AT_A_TIME = "LEANSTATE_TESTS_ONE_AT_A_TIME"  # set by make mutate's coverage run
+
+
+class Worlds:
+    """The outcomes of a test module's ``SCENARIOS`` per world size, run only as the
+    session's selected tests need them: a world's selected scenarios in one start of its
+    ranks, when a test first asks for that world (so a mutant that reruns one test runs one
+    scenario). ``needs``: scenario -> ``(world, scenario)`` that must have run before it (a
+    checkpoint one saves, another resumes). With ``ONE_AT_A_TIME`` in the environment (the
+    mutation tool's coverage run, which files what ranks run under the test that starts
+    them) each test starts the ranks of its own scenario."""
+
+    def __init__(
+        self, folder: Path, module: str, request, needs: dict[str, tuple[int, str]] | None = None
+    ) -> None:
+        self.folder, self.module, self.needs = folder, module, needs or {}
+        self.one_at_a_time = bool(os.environ.get(ONE_AT_A_TIME))
+        self.selected: dict[int, set[str]] = {}
+        for item in request.session.items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if item.module.__name__ == module and "world" in params and "scenario" in params:
+                self.selected.setdefault(params["world"], set()).add(params["scenario"])
+        self.results: dict[int, dict[str, list[str]]] = {}
+
+    def outcome(self, world: int, scenario: str) -> list[str]:
+        """The failures of ``scenario`` at ``world`` ranks (empty: it passed on every rank)."""
+        if self.one_at_a_time:
+            if scenario in self.needs:
+                self._run(*self.needs[scenario])
+            return self._run(world, scenario)[scenario]
+        if world not in self.results:
+            for name in sorted(self.selected.get(world, ())):
+                if name in self.needs and self.needs[name][0] not in self.results:
+                    self.results[self.needs[name][0]] = self._run(*self.needs[name])
+            self.results[world] = self._run(world, scenario)
+        return self.results[world][scenario]
+
+    def _run(self, world: int, scenario: str) -> dict[str, list[str]]:
+        """``world``'s ranks running ``scenario`` and (but one at a time) its selected ones."""
+        names = {scenario} | (set() if self.one_at_a_time else self.selected.get(world, set()))
+        return run_world(world, self.folder, self.module, sorted(names))
+
+
 def _run_world_once(world: int, folder: Path, module: str, names: list[str] | None) -> dict[str, list[str]]:
     args = (world, free_port(), str(folder), module, names)
     context = start_ranks(_worker, args, world, join=False)

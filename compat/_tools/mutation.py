@@ -104,7 +104,8 @@ def _coverage_map(name: str, group: dict) -> dict:
     print(f"[{name}] baseline: the tests unmutated, under coverage", flush=True)
     start = time.monotonic()
     durations = WORK / f"{name}.durations.json"
-    env = {**os.environ, "LEANSTATE_MUTATION_DURATIONS": str(durations)}
+    # each test starts its own ranks (tests.harness.Worlds): their lines are filed under it
+    env = {**os.environ, "LEANSTATE_MUTATION_DURATIONS": str(durations), "LEANSTATE_TESTS_ONE_AT_A_TIME": "1"}
     run = subprocess.run(["nice", "-n", "19", *command], cwd=ROOT, capture_output=True, text=True, env=env)
     seconds = time.monotonic() - start
     if run.returncode != 0:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leanstate.reference import zero as textbook
 from leanstate.zero import ZeroRedundancyOptimizer
-from tests.harness import run_world
+from tests.harness import Worlds
 from tests.zero_models import (
     OPTIMIZERS,
     assert_equal_across_ranks,
@@ -445,12 +445,12 @@ BY_WORLD = {
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("zero")
-    results = {}
-    for world in (2, 1, 3, 4):  # 2 first: it saves the checkpoint that 1 and 3 resume
-        results[world] = run_world(world, folder, __name__)
-    return results
+def worlds(tmp_path_factory, request):
+    # the selected scenarios only (a mutant's one test runs one); world 2 saves the
+    # checkpoint that worlds 1 and 3 resume
+    return Worlds(
+        tmp_path_factory.mktemp("zero"), __name__, request, needs={"elastic-resume": (2, "elastic-save")}
+    )
 
 
 CASES = [(world, name) for world, names in BY_WORLD.items() for name in names]
@@ -458,5 +458,5 @@ CASES = [(world, name) for world, names in BY_WORLD.items() for name in names]
 
 @pytest.mark.parametrize("world, scenario", CASES, ids=[f"world{w}-{n}" for w, n in CASES])
 def test_zero(worlds, world, scenario):
-    failures = worlds[world][scenario]
+    failures = worlds.outcome(world, scenario)
     assert not failures, "\n".join(failures)
