@@ -79,7 +79,7 @@ def test_bench_prints_each_figure_beside_its_peer_with_a_verdict():
         "dense index_select",
         "dense index_copy_",
         "plain write+fsync",
-        "plain read",
+        "plain read (readinto a faulted buffer",
         "whole-row save",
         "whole-row load",
         "whole-row load extra MiB",
