@@ -623,3 +623,12 @@ def test_compacting_a_chain_across_ranks_onto_an_existing_checkpoint_needs_overw
     assert (tmp_path / "out" / "manifest.json").read_bytes() == before
     leanstate.compact_checkpoint(tmp_path / "d1", tmp_path / "out", overwrite=True)
     assert manifest_of(tmp_path / "out")["version"] == 2
+
+
+def test_compaction_takes_overwrite_as_a_bool_only(tmp_path):
+    """Kills: the type check of ``overwrite`` left out (a truthy string would replace a checkpoint)."""
+    links, _ = build_chain(tmp_path)
+    leanstate.save_checkpoint(tmp_path / "out", {"t": new_store()})
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        leanstate.compact_checkpoint(links[0], tmp_path / "out", overwrite="yes")
+    assert leanstate.load_checkpoint(tmp_path / "out", {"t": new_store()}) == {}

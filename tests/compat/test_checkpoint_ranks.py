@@ -25,7 +25,9 @@ def on_a_subgroup(rank: int, world: int, folder: str) -> None:
     target = Path(folder, "ckpt")
     with staged_by_rank_0(target, "save_checkpoint", sub, lambda: target) as staging:
         assert staging.parent == target.parent and staging.exists()
-        seen = from_every_rank(str(staging), sub)
+        seen = from_every_rank(str(staging), sub)  # both ranks are inside the block now
+        # only rank 0 made one (kills: every rank preparing and staging a directory of its own)
+        assert len([p for p in target.parent.glob(".ckpt.saving-*") if p.suffix != ".lock"]) == 1
     assert seen[0] == seen[1]
 
     def refuse() -> Path:
@@ -61,3 +63,4 @@ def test_on_three_ranks(outcome, scenario):
 def test_one_process_without_a_group_is_rank_0_of_1():
     assert group_rank(None) == (0, 1)
     assert broadcast("x", None) == "x" and all_true(False, None) is False
+    assert from_every_rank("x", None) == ["x"]  # asks no process group for its size
