@@ -138,3 +138,11 @@ def test_convert_of_a_delta_says_to_compact_it_first(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["compact", str(tmp_path / "d1"), str(tmp_path / "full")]) == 0
     assert main(["convert", str(tmp_path / "full"), str(tmp_path / "out")]) == 0
+
+
+def test_inspect_names_an_unsupported_version_before_any_missing_key(tmp_path, capsys):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text('{"format": "leanstate-whole-row", "version": 99}')
+    assert main(["inspect", str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert "BAD:" in out and "format version 99 is not supported" in out and "views" not in out
