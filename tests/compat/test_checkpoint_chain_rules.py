@@ -632,3 +632,53 @@ def test_compaction_takes_overwrite_as_a_bool_only(tmp_path):
     with pytest.raises(TypeError, match="overwrite must be True or False"):
         leanstate.compact_checkpoint(links[0], tmp_path / "out", overwrite="yes")
     assert leanstate.load_checkpoint(tmp_path / "out", {"t": new_store()}) == {}
+
+
+def test_the_integer_limit_holds_whatever_the_interpreter_allows(tmp_path):
+    """R2's 4,300 digits are the format's, not CPython's setting: with the interpreter's limit
+    lifted, a 4,301-digit integer is still refused and a negative one of 4,300 digits (its
+    sign not counted) still read. Kills: the limit left to ``int()``, the sign counted."""
+    import sys
+
+    store = new_store()
+    store.set(torch.arange(3), torch.ones(3, WIDTH))
+    leanstate.save_checkpoint(tmp_path / "c", {"t": store})
+    text = json.dumps({**manifest_of(tmp_path / "c"), "note": "NOTE"}, indent=1)
+    previous = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # no limit of the interpreter's own
+    try:
+        for note, refused in (("9" * 4301, True), ("-" + "9" * 4300, False)):
+            (tmp_path / "c" / "manifest.json").write_text(text.replace('"NOTE"', note))
+            for load in (textbook.load_checkpoint, leanstate.load_checkpoint):
+                if refused:
+                    with pytest.raises(CheckpointError, match="4301 digits"):
+                        load(tmp_path / "c", {"t": new_store()})
+                else:
+                    load(tmp_path / "c", {"t": new_store()})
+    finally:
+        sys.set_int_max_str_digits(previous)
+
+
+def test_a_failed_load_across_ranks_still_reports_what_it_read(tmp_path):
+    """``last_load_stats`` after a load into a live store that fails in its verify pass: the
+    chunks read before the bad one are counted. Kills: the verify pass not counting."""
+    from leanstate.checkpoint.sharded import last_load_stats
+
+    store = new_store()
+    store.set(torch.arange(200), torch.ones(200, WIDTH))
+    tables = {"t": BucketedTable(store, 4, None)}
+    with one_rank_group() as group:
+        leanstate.save_checkpoint(
+            tmp_path / "c", tables, process_group=group, chunk_bytes=10 * store.layout.row_bytes
+        )
+        data = bytearray((tmp_path / "c" / "t.rank0.rows").read_bytes())
+        data[-5] ^= 1  # the last chunk's rows: every chunk before it reads sound
+        (tmp_path / "c" / "t.rank0.rows").write_bytes(bytes(data))
+        live = new_store()
+        live.set(torch.tensor([7]), torch.zeros(1, WIDTH))
+        with pytest.raises(CheckpointError, match="crc32c"):
+            leanstate.load_checkpoint(
+                tmp_path / "c", {"t": BucketedTable(live, 4, None)}, process_group=group
+            )
+    assert last_load_stats["chunks_read"] >= 19 and last_load_stats["rows_loaded"] == 0
+    assert len(live) == 1
