@@ -18,7 +18,7 @@ import leanstate
 from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.checkpoint import _chunks as _checkpoint_chunks
 from leanstate.checkpoint import load_checkpoint, save_checkpoint
-from leanstate.checkpoint._chunks import TableRead, in_bucket, read_chunks
+from leanstate.checkpoint._chunks import TableRead, bucket_major, in_bucket, read_chunks
 from leanstate.reference import checkpoint as reference_checkpoint
 from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.sharding import bucket_of
@@ -251,3 +251,14 @@ def test_the_chunk_check_reads_buckets_by_bucket_of(keys, buckets, size, pick):
     of = bucket_of(ids, total_num_buckets=buckets, bucket_size=size)
     bucket = int(of[pick % len(keys)])
     assert in_bucket(ids.numpy(), (buckets, size), bucket) == bool((of == bucket).all())
+
+
+def test_saving_order_is_bucket_major_for_hashed_and_chunked_ids():
+    """Kills: the bucket count read from the wrong field of the bucketing (hashed ids,
+    ``id % buckets``, would fall in other buckets)."""
+    keys = torch.arange(1, 9)
+    hashed, buckets = bucket_major(keys, (4, None))  # bucket = id % 4
+    assert hashed.tolist() == [4, 8, 1, 5, 2, 6, 3, 7] and buckets.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    chunked, buckets = bucket_major(keys, (2, 3))  # bucket = min(id // 3, 1)
+    assert chunked.tolist() == keys.tolist() and buckets.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert bucket_major(keys, None) == (keys, None)
