@@ -513,3 +513,80 @@ def test_every_damage_to_any_link_of_a_chain_gets_one_verdict_from_every_reader(
     assert len(set(outcomes.values())) == 1, (damage, link, outcomes)
     assert refused_by_inspect == (outcomes["textbook load"] is not None), (damage, link, outcomes)
     assert outcomes["textbook load"] in (leanstate.CheckpointError, FileNotFoundError), outcomes
+
+
+# the damages that do not depend on version 1's table layout: they apply to a version-2 link as
+# they are (a version-2 manifest's table entry lists files, not chunks)
+ANY_VERSION = [
+    name
+    for name in sorted({**DAMAGE, **STRUCTURAL})
+    if name
+    in {
+        "manifest not JSON", "manifest missing", "version 3", "other format", "extra flipped",
+        "extra null, file present", "extra key missing", "manifest is a symlink", "manifest is a FIFO",
+        "version 1.0", "version true", "version a string", "NaN", "duplicate key", "manifest in UTF-16",
+        "manifest with a UTF-8 BOM", "extra holds a list", "nesting 100,000 deep", "extra file outside",
+    }
+]  # fmt: skip
+
+
+def _chain_across_ranks(folder):
+    """The chain of :func:`_chain_of_three` saved across ranks (one rank): version 2 throughout."""
+    from leanstate.checkpoint._bucketed_table import BucketedTable
+    from tests.harness import one_rank_group
+
+    store = KVStore(4, optimizer_state_dim=1, clock=FakeClock(9), backend="numba")
+    generator = torch.Generator().manual_seed(11)
+    store.set(torch.arange(0, 300, 3), torch.randn(100, 4, generator=generator))
+    paths = [folder / "v2-d2", folder / "v2-d1", folder / "v2-c0"]
+    with one_rank_group() as group:
+        for step, path in enumerate(reversed(paths)):
+            if step:
+                store.set(torch.arange(step, 300, 7), torch.randn(43, 4, generator=generator))
+                store.delete(torch.arange(3 * step, 300, 29))
+            leanstate.save_checkpoint(
+                path,
+                {"t": BucketedTable(store, 8, None)},
+                process_group=group,
+                base=None if step == 0 else paths[3 - step],
+                extra={"step": step},
+                chunk_bytes=8 * store.layout.row_bytes,
+            )
+    return paths, store
+
+
+@pytest.mark.parametrize("link", sorted(LINKS))
+@pytest.mark.parametrize("damage", ANY_VERSION)
+def test_a_chain_across_ranks_gets_the_textbooks_verdict_on_the_same_damage(tmp_path, damage, link):
+    """Version 2 has no textbook of its own: each damage that applies to any version, at the
+    same link of a version-2 chain, is refused by its load into plain stores, its compaction
+    and ``inspect`` with the class the textbook gives the version-1 chain."""
+    damage_fn, _ = {**DAMAGE, **STRUCTURAL}[damage]
+    v1, store = _chain_of_three(tmp_path, "reference")
+    damage_fn(v1[LINKS[link]], 3)
+    _repin(v1, LINKS[link])
+    try:
+        delta.load_checkpoint(v1[0], {"t": fresh(store)})
+        expected = None
+    except Exception as exc:
+        expected = type(exc)
+    v2, _ = _chain_across_ranks(tmp_path)
+    damage_fn(v2[LINKS[link]], 3)
+    _repin(v2, LINKS[link])
+    outcomes = {}
+    for name, run in (
+        ("load", lambda: leanstate.load_checkpoint(v2[0], {"t": fresh(store, None, "numba")})),
+        ("compaction", lambda: leanstate.compact_checkpoint(v2[0], tmp_path / "v2-out")),
+    ):
+        try:
+            run()
+            outcomes[name] = None
+        except Exception as exc:
+            outcomes[name] = type(exc)
+    with contextlib.redirect_stdout(io.StringIO()):
+        outcomes["inspect refused"] = main(["inspect", str(v2[0])]) != 0
+    assert outcomes == {"load": expected, "compaction": expected, "inspect refused": expected is not None}, (
+        damage,
+        link,
+        outcomes,
+    )
