@@ -260,7 +260,10 @@ def read_chain(path: str | os.PathLike) -> list[Link]:
                 f"{where}: the chain reaches no full checkpoint within {MAX_CHAIN_LINKS} links"
             )
         # resolved as the system resolves it (symlinks, then ".."), and named so in errors
-        path = Path(os.path.realpath(delta.path / base["path"]))
+        try:
+            path = Path(os.path.realpath(delta.path / base["path"]))
+        except OSError as exc:  # a path the system cannot resolve (too long, a loop of links)
+            raise CheckpointError(f"{where}: cannot be resolved ({exc.strerror})") from exc
         if str(path) in visited:
             raise CheckpointError(f"{where}: {path} is already a link of this chain (a cycle)")
         visited.add(str(path))
@@ -268,6 +271,8 @@ def read_chain(path: str | os.PathLike) -> list[Link]:
             data, manifest = read_manifest(path, link_problem)
         except FileNotFoundError as exc:  # the head may be missing; a base named by a delta may not
             raise CheckpointError(f"{where}: there is no checkpoint at {path}") from exc
+        except OSError as exc:  # a name too long to look up, say
+            raise CheckpointError(f"{where}: cannot be read ({exc.strerror})") from exc
         digest = hashlib.sha256(data).hexdigest()
         if digest != base["manifest_sha256"]:
             raise CheckpointError(

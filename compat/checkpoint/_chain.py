@@ -114,7 +114,12 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
             )
         base = link.manifest["base"]
         # as the system resolves it (symlinks, then ..): a delta opened through a link finds its base
-        base_path = Path(os.path.realpath(link.path / base["path"]))
+        try:
+            base_path = Path(os.path.realpath(link.path / base["path"]))
+        except OSError as exc:  # a path the system cannot resolve (too long, a loop of links)
+            raise CheckpointError(
+                f"{link.file}: base.path {base['path'][:80]!r}... cannot be resolved ({exc.strerror})"
+            ) from exc
         if str(base_path) in visited:
             raise CheckpointError(
                 f"{link.file}: base.path {base['path']!r} leads back to a link of the chain from {path} (a cycle)"
@@ -124,6 +129,8 @@ def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
             version, manifest, digest = read_manifest_and_digest(base_path)
         except FileNotFoundError as exc:
             raise CheckpointError(f"{link.file}: its base {base['path']!r} is missing ({exc})") from exc
+        except OSError as exc:  # a name too long to look up, say
+            raise CheckpointError(f"{link.file}: its base cannot be read ({exc.strerror})") from exc
         if version != links[0].version:
             across = {1: "by one process (version 1)", 2: "across ranks (version 2)"}
             raise CheckpointError(

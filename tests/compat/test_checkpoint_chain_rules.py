@@ -683,3 +683,26 @@ def test_a_failed_load_across_ranks_still_reports_what_it_read(tmp_path):
     row_bytes = store.layout.row_bytes  # 20 chunks of 10 rows: the 19 before the bad one, once each
     assert last_load_stats == {"bytes_read": 19 * 10 * row_bytes, "chunks_read": 19, "rows_loaded": 0}
     assert len(live) == 1
+
+
+def test_a_table_name_that_is_not_a_string_is_a_value_error_naming_it(tmp_path):
+    """Kills: the name rule reading a non-string as a string (an AttributeError instead)."""
+    store = new_store()
+    for save in SAVES.values():
+        with pytest.raises(ValueError, match="table name 5"):
+            save(tmp_path / "c", {5: store})
+
+
+@pytest.mark.parametrize("size, refused", [(4096, False), (4097, True)])
+def test_a_base_path_is_at_most_4096_bytes(tmp_path, size, refused):
+    """D2's bound exactly: 4,096 bytes of UTF-8 are a path (the base then is missing), 4,097
+    are refused as too long before any base is looked for."""
+    links, _ = build_chain(tmp_path)
+    edit_link(
+        links, 0, lambda m: m["base"].update(path="a/" * (size // 2 - 1) + ("ab" if size % 2 == 0 else "abc"))
+    )
+    assert len(manifest_of(links[0])["base"]["path"].encode()) == size
+    for load in (textbook.load_checkpoint, leanstate.load_checkpoint):
+        with pytest.raises(CheckpointError) as raised:
+            load(links[0], {"t": new_store()})
+        assert ("4096" in str(raised.value)) == refused, str(raised.value)[:300]
