@@ -706,3 +706,15 @@ def test_a_base_path_is_at_most_4096_bytes(tmp_path, size, refused):
         with pytest.raises(CheckpointError) as raised:
             load(links[0], {"t": new_store()})
         assert ("4096" in str(raised.value)) == refused, str(raised.value)[:300]
+
+
+def test_a_table_missing_from_a_checkpoint_across_ranks_is_named(tmp_path):
+    """Kills: the layout of each table checked before the check that every table is there
+    (a KeyError instead of the error naming the missing table)."""
+    store = new_store()
+    store.set(torch.arange(20), torch.ones(20, WIDTH))
+    with one_rank_group() as group:
+        leanstate.save_checkpoint(tmp_path / "c0", {"t": BucketedTable(store, 4, None)}, process_group=group)
+        asked = {"t": BucketedTable(new_store(), 4, None), "u": BucketedTable(new_store(), 4, None)}
+        with pytest.raises(CheckpointError, match="no table 'u'"):
+            leanstate.load_checkpoint(tmp_path / "c0", asked, process_group=group)
