@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "Follower",
     "KVEmbeddingBag",
     "KVEmbeddingBagCollection",
     "KVStore",
@@ -85,3 +86,12 @@ __all__ = [
     "save_legacy_checkpoint",
     "unregister_backend",
 ]
+
+
+def __getattr__(name: str):
+    """``Follower`` on first use: its module needs numpy, ``import leanstate`` does not."""
+    if name == "Follower":
+        from leanstate.checkpoint.follower import Follower
+
+        return Follower
+    raise AttributeError(f"module 'leanstate' has no attribute {name!r}")

@@ -9,6 +9,7 @@ backend (``spec/backends.md``). Engines never validate and never see Python list
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
+from leanstate._gate import Gate
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
 from leanstate.reference.arguments import int_argument, is_int
@@ -121,6 +123,7 @@ class KVStore:
             layout, num_shards=num_shards, init_range=self.init_range, seed=seed, device=device
         )
         self._mark: ChangeMark | None = None
+        self._gate = Gate()
 
     @property
     def engine(self):
@@ -152,7 +155,21 @@ class KVStore:
         return self.layout.dtype
 
     def __len__(self) -> int:
-        return len(self._engine)
+        with self._gate.shared:
+            return len(self._engine)
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """A block of calls other threads see all at once: while it runs, no other thread's
+        call on this store does (theirs wait; this thread's pass), so a reader sees every
+        write of the block or none. ``leanstate.Follower`` commits each delta so.
+
+        Example::
+
+            >>> with store.atomic():
+            ...     store.set_rows(rows)
+            ...     store.delete(gone)
+        """
+        return self._gate.exclusive
 
     def __repr__(self) -> str:
         return (
@@ -226,7 +243,8 @@ class KVStore:
             since = 0 if self._mark is None else self._mark.epoch
         else:
             since = int_argument(since, "KVStore.changes: since", low=0, must="an int >= 0 or None")
-        return self._engine.changes_since(min(since, 2**62))
+        with self._gate.shared:
+            return self._engine.changes_since(min(since, 2**62))
 
     @property
     def mark(self) -> ChangeMark | None:
@@ -364,9 +382,10 @@ class KVStore:
         return self._gather(ids, 0, self.layout.width, False, out)
 
     def _gather(self, ids, start: int, width: int, initial: bool, out: torch.Tensor | None) -> torch.Tensor:
-        if out is None or out.device == self.device:
-            return self._engine.gather(ids, start=start, width=width, initial=initial, out=out)
-        return out.copy_(self._engine.gather(ids, start=start, width=width, initial=initial))
+        with self._gate.shared:
+            if out is None or out.device == self.device:
+                return self._engine.gather(ids, start=start, width=width, initial=initial, out=out)
+            return out.copy_(self._engine.gather(ids, start=start, width=width, initial=initial))
 
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` more rows now (a capacity hint: no result changes).
@@ -377,15 +396,20 @@ class KVStore:
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool tensor: which ids have a row (negative ids never do)."""
-        return self._engine.contains(self._check_ids(ids, "KVStore.contains"))
+        ids = self._check_ids(ids, "KVStore.contains")
+        with self._gate.shared:
+            return self._engine.contains(ids)
 
     def metadata(self, ids: torch.Tensor) -> torch.Tensor:
         """Int64 eviction metadata ``timestamp | count << 32 | used << 63`` (0 when missing)."""
-        return self._engine.metadata(self._check_ids(ids, "KVStore.metadata"))
+        ids = self._check_ids(ids, "KVStore.metadata")
+        with self._gate.shared:
+            return self._engine.metadata(ids)
 
     def keys(self) -> torch.Tensor:
         """All ids, sorted ascending, as int64."""
-        return self._engine.keys()
+        with self._gate.shared:
+            return self._engine.keys()
 
     def keys_in_range(self, lo: int, hi: int) -> torch.Tensor:
         """Ids in ``[lo, hi)``, sorted ascending, as int64 (bounds are Python ints up to 2**63)."""
@@ -416,7 +440,8 @@ class KVStore:
             method, "values", values, len(ids), self.layout.value_width - width_offset
         )
         now = self.now()
-        self._engine.scatter(ids, values, start=self.layout.header_elems + width_offset, now=now)
+        with self._gate.shared:
+            self._engine.scatter(ids, values, start=self.layout.header_elems + width_offset, now=now)
 
     def set_rows(self, rows: torch.Tensor) -> None:
         """Write whole rows, each keyed by header bytes 0-7 (the checkpoint path).
@@ -430,11 +455,14 @@ class KVStore:
         bad = host_read(int, first_true(keys < 0)) if len(keys) else -1  # the first negative key
         if bad >= 0:
             raise ValueError(f"{method}: rows[{bad}] has a negative key {int(keys[bad])} in its header")
-        self._engine.write_rows(rows)
+        with self._gate.shared:
+            self._engine.write_rows(rows)
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ids (missing and negative ones are ignored); returns the rows removed."""
-        return self._engine.delete(self._check_ids(ids, "KVStore.delete"))
+        ids = self._check_ids(ids, "KVStore.delete")
+        with self._gate.shared:
+            return self._engine.delete(ids)
 
     def evict(
         self,
@@ -461,10 +489,11 @@ class KVStore:
             raise ValueError(f"KVStore.evict: min_l2_norm must be a number >= 0 or None; got {min_l2_norm!r}")
         now = self.now() if max_age_s is not None else 0
         # Thresholds past every count, age or size mean the same as those bounds (and fit int64).
-        return self._engine.evict(
-            min_count=None if min_count is None else min(int(min_count), COUNT_MAX + 1),
-            max_age_s=None if max_age_s is None else min(int(max_age_s), TIMESTAMP_MAX + 1),
-            min_l2_norm=None if min_l2_norm is None else float(min_l2_norm),
-            max_rows=None if max_rows is None else min(int(max_rows), 2**62),
-            now=now,
-        )
+        with self._gate.shared:
+            return self._engine.evict(
+                min_count=None if min_count is None else min(int(min_count), COUNT_MAX + 1),
+                max_age_s=None if max_age_s is None else min(int(max_age_s), TIMESTAMP_MAX + 1),
+                min_l2_norm=None if min_l2_norm is None else float(min_l2_norm),
+                max_rows=None if max_rows is None else min(int(max_rows), 2**62),
+                now=now,
+            )

@@ -310,12 +310,12 @@ def _merged_rows(links: list[Link], name: str, id_range: tuple[int, int] | None)
                 if id_range is None or id_range[0] <= key < id_range[1]:
                     rows_by_id[key] = row
         if link.manifest["format"] == DELTA_FORMAT:
-            for key in _read_removed(link.path, name, table["removed"], row_ids):
+            for key in read_removed(link.path, name, table["removed"], row_ids):
                 rows_by_id.pop(key, None)
     return rows_by_id
 
 
-def _read_removed(path: Path, name: str, removed: dict, row_ids: set[int]) -> list[int]:
+def read_removed(path: Path, name: str, removed: dict, row_ids: set[int]) -> list[int]:
     """The removed ids of table ``name`` in the delta at ``path``, checked (D5 size, D6): the
     CRC-32C, non-negative, strictly ascending, the manifest's min_id and max_id, and none
     also a row of this delta (of the rows read, ``row_ids``)."""

@@ -86,7 +86,7 @@ def _merge():
     return _checkpoint_merge
 
 
-def _check_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
+def check_sharded_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
     if not isinstance(tables, Mapping) or not all(isinstance(t, BucketedTable) for t in tables.values()):
         raise TypeError(
             f"{method}: with process_group, tables must be a sharded module's checkpoint_tables() "
@@ -127,7 +127,7 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
     stores = {name: table.store for name, table in tables.items()}
 
     def matches(name: str) -> None:
-        _check_table(Path(base), name, manifest["tables"][name], tables[name])
+        check_table(Path(base), name, manifest["tables"][name], tables[name])
 
     _chain().check_delta_base(Path(path), links, stores, matches)
     return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
@@ -151,7 +151,7 @@ def save_sharded(
     is published, every store's mark is at it.
     """
     method = "save_checkpoint"
-    _check_tables(tables, method)
+    check_sharded_tables(tables, method)
     check_chunk_bytes(method, chunk_bytes)
     if base is not None and not isinstance(base, str | os.PathLike):
         raise TypeError(f"{method}: base must be the path of a checkpoint (str or os.PathLike); got {base!r}")
@@ -301,7 +301,7 @@ def compact_sharded(links: list, dst: Path, *, chunk_bytes: int, method: str) ->
         for name, (layout, table) in plan.items():
             bucketing, written = (table.buckets, table.bucket_size), []
             for rank in range(world):  # one rank's file at a time: a few slices per file held
-                parts = [_link_table(link, name, table, rank, world) for link in reversed(links)]
+                parts = [link_table(link, name, table, rank, world) for link in reversed(links)]
                 file = staging / f"{name}.rank{rank}.rows"
                 chunks = chain.write_merge(file, layout, parts, chunk_bytes, bucketing)
                 written.append(
@@ -343,7 +343,7 @@ def load_sharded(
     where they were (every row it wrote is a change tracked since them).
     """
     method = "load_checkpoint"
-    _check_tables(tables, method)
+    check_sharded_tables(tables, method)
     check_chunk_bytes(method, chunk_bytes)
     path = Path(path)
     if process_group is None:  # one process: it owns every id and reads every chunk
@@ -367,10 +367,10 @@ def load_sharded(
                     f"{link.file}: no table {missing[0]!r} (it has {list(link.manifest['tables'])})"
                 )
             for name, table in tables.items():
-                _check_table(link.path, name, link.manifest["tables"][name], table)
+                check_table(link.path, name, link.manifest["tables"][name], table)
         extra = _chain().chain_extra(links)
         for name, table in tables.items():
-            plan.append((table, [_link_table(link, name, table, rank, world) for link in reversed(links)]))
+            plan.append((table, [link_table(link, name, table, rank, world) for link in reversed(links)]))
 
     def count(read: TableRead):
         def counted(chunk: dict, *_) -> None:
@@ -392,7 +392,7 @@ def load_sharded(
         stats.update(dict.fromkeys(stats, 0))  # the figures of the pass that applies
         applying, chain = [], len(links) > 1
         for table, parts in plan:
-            keep = _keep(table, parts[0].read, rank, world)
+            keep = rows_kept(table, parts[0].read, rank, world)
             # Into empty stores (or without deltas) the full link loads as a full load reads it.
             if into_empty or not chain:
                 applying.append((parts[0].read, table.store, keep, count(parts[0].read)))
@@ -408,7 +408,7 @@ def load_sharded(
                     counted = count(part.read)
                     for _, chunk in (c for piece in part.read.files for c in piece.chunks):
                         counted(chunk)
-                keep = _keep(table, parts[0].read, rank, world)
+                keep = rows_kept(table, parts[0].read, rank, world)
                 stats["rows_loaded"] += _merge().apply_merge(
                     table.store, merging, keep=keep, delete=into_empty, slice_bytes=slice_bytes
                 )
@@ -435,7 +435,7 @@ def _links(path: Path, head: tuple[dict, str] | None) -> list:
     return chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
 
 
-def _link_table(link, name: str, table: BucketedTable, rank: int, world: int):
+def link_table(link, name: str, table: BucketedTable, rank: int, world: int):
     """What this rank reads of one table in one link: the chunks of the buckets it owns
     (every chunk of version 1), and a delta's removed-id files that may hold ids of its
     buckets (a file is bucket-major: its buckets run from its first id's to its last's)."""
@@ -470,7 +470,7 @@ def _owned_ids(table: BucketedTable, rank: int, world: int):
     return owned
 
 
-def _keep(table: BucketedTable, read: TableRead, rank: int, world: int):
+def rows_kept(table: BucketedTable, read: TableRead, rank: int, world: int):
     """Which rows of a slice this rank applies: all of a version-2 chunk of a bucket it owns;
     of a version-1 file (every rank's rows), the ones it owns."""
     return None if world == 1 or read.bucketing is not None else _owned_by(table, rank, world)
@@ -490,7 +490,7 @@ last_load_stats: dict[str, int] = {}
 read, rows loaded (``leanstate.last_load_stats`` is this same dict)."""
 
 
-def _check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
+def check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
     check_layout(path / MANIFEST, name, saved, table.store)
     bucketing = saved.get("bucketing")
     if bucketing is not None and (bucketing["buckets"], bucketing["bucket_size"]) != (
