@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
-from leanstate._gate import Gate
+from leanstate._store_gate import Gate
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
 from leanstate.reference.arguments import int_argument, is_int

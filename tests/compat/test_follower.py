@@ -6,7 +6,6 @@ stores' marks, and the hardened follower held to the textbook on random historie
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 import threading
