@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 
 from leanstate import _backends
-from leanstate._store_gate import Gate
 from leanstate._host_reads import first_true, host_read
 from leanstate._rows import copy_rows
+from leanstate._store_gate import Gate
 from leanstate.reference.arguments import int_argument, is_int
 from leanstate.reference.kv_store import ChangeMark, ReadsInPlace
 from leanstate.reference.row_format import COUNT_MAX, TIMESTAMP_MAX, RowLayout, check_dtype, header_words
