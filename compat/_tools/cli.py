@@ -1,4 +1,4 @@
-"""Command line: ``python -m leanstate {demo,info,bench,verify,inspect,compact,convert,gpu-check}``."""
+"""Command line: ``python -m leanstate {demo,info,bench,verify,inspect,compact,convert,follow,gpu-check}``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argument that must be a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not > 0")
     return value
 
 
@@ -274,6 +285,31 @@ def _add_compact(commands) -> None:
     compact.set_defaults(run=_compact)
 
 
+def _follow(args: argparse.Namespace) -> int:
+    from leanstate._tools.follow import main as follow
+
+    return follow(args)
+
+
+def _add_follow(commands) -> None:
+    """``leanstate follow DIRECTORY``."""
+    follow = commands.add_parser(
+        "follow", help="follow a trainer's checkpoints: apply each new delta as it lands, and say so"
+    )
+    follow.add_argument("directory", help="where the trainer saves its checkpoints (one sub-directory each)")
+    mode = follow.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--into", metavar="CHECKPOINT", help="also keep the followed state there, as a full checkpoint"
+    )
+    mode.add_argument("--print", action="store_true", help="only print each applied link (the default)")
+    follow.add_argument("--interval", type=_seconds, default=5.0, help="seconds between polls (5)")
+    follow.add_argument("--once", action="store_true", help="poll once, then exit (1 if a link was refused)")
+    follow.add_argument(
+        "--backend", default=None, choices=BACKENDS, help="store backend (default: the import-time choice)"
+    )
+    follow.set_defaults(run=_follow)
+
+
 def _add_gpu_check(commands) -> None:
     """``leanstate gpu-check``."""
     gpu = commands.add_parser(
@@ -294,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_demo(commands)
     commands.add_parser("info", help="print the backend choice and why").set_defaults(run=_info)
-    for add in (_add_bench, _add_inspect, _add_verify, _add_compact, _add_convert, _add_gpu_check):
+    for add in (
+        _add_bench,
+        _add_inspect,
+        _add_verify,
+        _add_compact,
+        _add_convert,
+        _add_follow,
+        _add_gpu_check,
+    ):
         add(commands)
     args = parser.parse_args(argv)
     return args.run(args)

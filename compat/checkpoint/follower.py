@@ -119,6 +119,8 @@ class Follower:
         process_group: follow a chain across ranks: call everything on every rank;
             each rank takes the rows its buckets own at this group's size.
         chunk_bytes: the slice size reads use, as for ``load_checkpoint``.
+        on_apply: called with each :class:`AppliedLink` as soon as it is applied (progress
+            of a poll that applies several).
 
     ``poll()`` applies what is new and returns the paths it applied; ``follow(interval)``
     polls on a thread until ``close()``. Reads of the stores from other threads see each
@@ -141,6 +143,7 @@ class Follower:
         *,
         process_group: dist.ProcessGroup | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_apply: Callable[[AppliedLink], None] | None = None,
     ) -> None:
         method = "Follower"
         if not isinstance(directory, str | os.PathLike):
@@ -150,6 +153,9 @@ class Follower:
         check_chunk_bytes(method, chunk_bytes)
         self.directory = Path(directory)
         self.process_group = process_group
+        if on_apply is not None and not callable(on_apply):
+            raise TypeError(f"{method}: on_apply must be a callable or None; got {on_apply!r}")
+        self._on_apply = on_apply
         self._module_tables = tables
         self._slice_bytes = min(chunk_bytes, SLICE_BYTES)
         if process_group is None:
@@ -399,9 +405,12 @@ class Follower:
         self.extra = extra
         self._position = link
         self._chain = {link.digest} | (self._chain if step.kind == "delta" else set())
-        self.history.append(
-            AppliedLink(link.path, link.digest, step.kind, rows, removed, done - start, done - committed)
+        applied = AppliedLink(
+            link.path, link.digest, step.kind, rows, removed, done - start, done - committed
         )
+        self.history.append(applied)
+        if self._on_apply is not None:
+            self._on_apply(applied)
 
     def _from_every_rank(self, value) -> list:
         return [value] if self.process_group is None else from_every_rank(value, self.process_group)

@@ -103,6 +103,8 @@ def test_inspect_shows_each_link_of_a_chain_and_compact_merges_it(tmp_path, caps
         (["demo", "--nproc", "0"], "argument --nproc: 0 is not >= 1"),
         (["compact", "a", "b", "--chunk-bytes", "0"], "argument --chunk-bytes: 0 is not >= 1"),
         (["verify", "--backend", "nosuch"], "argument --backend: invalid choice"),
+        (["follow", "d", "--interval", "0"], "argument --interval: 0.0 is not > 0"),
+        (["follow", "d", "--into", "x", "--print"], "not allowed with argument --into"),
     ],
 )
 def test_a_bad_argument_is_a_usage_error_not_a_traceback(argv, says, capsys):
@@ -146,3 +148,34 @@ def test_inspect_names_an_unsupported_version_before_any_missing_key(tmp_path, c
     assert main(["inspect", str(tmp_path / "c")]) == 1
     out = capsys.readouterr().out
     assert "BAD:" in out and "format version 99 is not supported" in out and "views" not in out
+
+
+def test_follow_once_applies_each_new_link_says_so_and_keeps_a_full_copy(tmp_path, capsys):
+    store = filled()
+    folder = tmp_path / "ckpts"
+    leanstate.save_checkpoint(folder / "c0", {"t": store})
+    store.set(torch.tensor([7, 1000]), torch.zeros(2, 4))
+    store.delete(torch.tensor([14]))
+    leanstate.save_checkpoint(folder / "d1", {"t": store}, base=folder / "c0")
+    assert (
+        main(["follow", str(folder), "--once", "--into", str(tmp_path / "copy"), "--backend", "numba"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "applied c0 (full): 50 rows" in out and "applied d1 (delta): 2 rows, 1 removed" in out
+    assert "lag" in out and "now holds d1" in out
+    copy = leanstate.KVStore(4, optimizer_state_dim=1)
+    leanstate.load_checkpoint(tmp_path / "copy", {"t": copy})
+    assert torch.equal(copy.keys(), store.keys())
+    assert torch.equal(copy.get_rows(copy.keys()), store.get_rows(store.keys()))
+
+
+def test_follow_once_without_a_full_checkpoint_or_with_a_refused_link_exits_1(tmp_path, capsys):
+    assert main(["follow", str(tmp_path / "none"), "--once"]) == 1
+    assert "no complete full checkpoint" in capsys.readouterr().err
+    store = filled()
+    leanstate.save_checkpoint(tmp_path / "c" / "c0", {"t": store})
+    (tmp_path / "c" / "bad").mkdir()
+    (tmp_path / "c" / "bad" / "manifest.json").write_text("[]")
+    assert main(["follow", str(tmp_path / "c"), "--once", "--print"]) == 1
+    captured = capsys.readouterr()
+    assert "applied c0 (full)" in captured.out and "refused" in captured.err and "bad" in captured.err
