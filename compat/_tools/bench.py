@@ -18,6 +18,7 @@ import torch
 import leanstate
 from leanstate import _backends
 from leanstate._tools.delta_workloads import delta_figures
+from leanstate._tools.follower_workloads import follower_figures
 from leanstate._tools.load_workloads import TablesLoad, sharded_load_comparison
 from leanstate._tools.workloads import (
     CheckpointIO,
@@ -294,6 +295,12 @@ def _delta_section(s: Setting) -> list[tuple]:
     return delta_figures(DELTA_ROWS, s.dim, s.backend, s.rounds, _line)
 
 
+def _follower_section(s: Setting) -> list[tuple]:
+    """The follower's rows: deltas of 1% of the table its targets are stated for (fewer
+    links when quick), each applied while a reader reads."""
+    return follower_figures(DELTA_ROWS, s.dim, s.backend, 6 if s.quick else 12, _line)
+
+
 def _load_memory_section(s: Setting) -> list[tuple]:
     """The whole-row load's extra memory beside its budget and beside the legacy load's."""
     chunk = 16 * 2**20
@@ -407,6 +414,7 @@ SECTIONS: tuple[Callable[[Setting], list[tuple]], ...] = (
     _checkpoint_section,
     _sharded_load_section,
     _delta_section,
+    _follower_section,
     _load_memory_section,
     _wrappers_section,
     _embedding_section,

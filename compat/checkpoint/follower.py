@@ -65,6 +65,8 @@ from leanstate.reference.checkpoint import CheckpointError
 from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import header_words
 
+STAGING_SLICE_BYTES = 2**20  # a delta is read in slices of this size while it is staged
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -386,6 +388,8 @@ class Follower:
             extra = read_extra(link.path, link.manifest)
         except (CheckpointError, OSError) as exc:
             problem = f"{link.path}: {exc}"
+        except Exception as exc:  # every rank must reach the agreement, whatever failed here
+            problem = f"{link.path}: {type(exc).__name__}: {exc}"
         failed = [(rank, p) for rank, p in enumerate(self._from_every_rank(problem)) if p is not None]
         if failed:
             rank, why = failed[0]
@@ -442,15 +446,23 @@ class Follower:
         part = link_table(link, name, table, self._rank, self._world)
         keep = rows_kept(table, part.read, self._rank, self._world)
         layout = table.store.layout
-        rows, removed = [], []
-        for pieces, gone in merged([part], self._slice_bytes):
+        # One buffer of the rows this rank reads (their count is the manifest's), filled slice
+        # by slice: an apply holds the delta's rows and one small slice, and commits in one call.
+        staged = np.empty((part.read.rows, layout.row_bytes), dtype=np.uint8)
+        filled, removed = 0, []
+        for pieces, gone in merged([part], min(self._slice_bytes, STAGING_SLICE_BYTES)):
             for piece in pieces:
-                data = torch.from_numpy(piece.copy()).view(layout.dtype).view(-1, layout.width)
-                if keep is not None:
-                    data = data[keep(header_words(data)[:, 0])]
-                rows.append(data)
+                staged[filled : filled + len(piece)] = piece
+                filled += len(piece)
             if len(gone):
                 removed.append(torch.from_numpy(np.array(gone, dtype=np.int64)))
+        if filled:
+            data = torch.from_numpy(staged[:filled]).view(layout.dtype).view(-1, layout.width)
+        else:  # (a view of no bytes cannot be reinterpreted)
+            data = torch.empty(0, layout.width, dtype=layout.dtype)
+        if keep is not None:  # a version-1 link across ranks: every rank read every row
+            data = data[keep(header_words(data)[:, 0])]
+        rows = [data]
         return rows, torch.cat(removed) if removed else torch.empty(0, dtype=torch.int64)
 
     def _verify_full(self, link: Candidate, name: str, table: BucketedTable) -> None:

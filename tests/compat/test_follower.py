@@ -486,3 +486,16 @@ def test_the_follower_is_held_to_the_textbook(tmp_path_factory, steps):
         assert set(follower.refused) == set(state.refused)
         assert_same(serving, plain)
         assert serving.mark.checkpoint == plain.mark.checkpoint
+
+
+def test_a_delta_of_removals_only_and_an_empty_delta_apply(trainer):
+    history(trainer, 0)
+    serving = new_store()
+    follower = leanstate.Follower(trainer.folder, {"t": serving})
+    follower.poll()
+    trainer.store.delete(MARKERS[:3])
+    removals = trainer.save("d1")
+    empty = trainer.save("d2")  # nothing changed since d1
+    assert follower.poll() == [removals, empty]
+    assert [(a.rows, a.removed) for a in follower.history[1:]] == [(0, 3), (0, 0)]
+    assert_same(serving, trainer.store)
