@@ -9,6 +9,8 @@ the claims are checked, each in fresh processes:
 - resume: the last checkpoint, loaded at the same world size, continues bit-exactly;
 - elastic: a checkpoint loads at another world size (2 -> 1, then 1 -> 2) and training
   continues to the same losses within ``ELASTIC_RTOL``;
+- serving: while the first run trains, this process follows its checkpoints (a full
+  one, then deltas) as they land, and ends holding the last one exactly;
 - memory: whole-row versus legacy load peak memory, side by side.
 
 ``python -m leanstate demo`` exits non-zero if a claim fails.
@@ -17,6 +19,7 @@ the claims are checked, each in fresh processes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import leanstate
+from leanstate._tools.demo_serving import ServingFollower
 from leanstate._tools.ranks import free_port, start_ranks
 
 # Another world size sums gradients in another order: the losses of a continued run
@@ -303,6 +307,7 @@ class Plan:
     last: int
     middle: int
     again: int
+    serving: list = dataclasses.field(default_factory=list)  # the serving copy's proof
 
 
 def _set_up(args: argparse.Namespace) -> Plan | None:
@@ -340,7 +345,13 @@ def _train_runs(plan: Plan) -> dict[str, dict]:
     ``world`` from that run's checkpoint; each run's record by name."""
     base, out, world, other = plan.base, plan.out, plan.world, plan.other
     runs = {}
-    runs["uninterrupted"] = _spawn({**base, "name": "uninterrupted"}, world)
+    serving = ServingFollower(out / "uninterrupted", base["backend"])
+    serving.start()  # this process serves while the ranks train and publish
+    try:
+        runs["uninterrupted"] = _spawn({**base, "name": "uninterrupted"}, world)
+    finally:
+        serving.stop()
+    plan.serving.append(serving.proof(out / "uninterrupted" / f"step{plan.last}"))
     runs["resumed"] = _spawn(
         {
             **base,
@@ -418,6 +429,7 @@ def _proofs(plan: Plan, runs: dict, measured: dict) -> list[tuple[str, bool, str
                 f"largest relative loss difference {worst:.2e} (tolerance {ELASTIC_RTOL:g})",
             )
         )
+    proofs.extend(plan.serving)
     proofs.append(
         (
             "whole-row load needs a fraction of the legacy load's memory",
