@@ -24,6 +24,7 @@ def test_demo_trains_checkpoints_and_proves_its_claims(tmp_path):
     assert "PASS  load at step 4, 2->1 ranks, trains on to the same losses" in out, out
     assert "1->2 ranks, trains on to the same losses" in out and "FAIL" not in out, out
     assert "PASS  whole-row load needs a fraction of the legacy load's memory" in out, out
+    assert "PASS  a serving copy follows the run's checkpoints as they land: 2 links applied" in out, out
     for name in ("uninterrupted", "resumed", "2->1 ranks", "1->2 ranks"):
         assert any(line.startswith(name) for line in out.splitlines()), name
     png = tmp_path / "demo" / "demo.png"
@@ -36,7 +37,7 @@ def test_version_and_help_texts():
     import leanstate
 
     assert leanstate.__version__ == "0.1.0"
-    for command in ("demo", "bench", "inspect"):
+    for command in ("demo", "bench", "inspect", "follow"):
         text = run(command, "--help")
         options = [
             line for line in text.splitlines() if line.strip().startswith("--") or line.startswith("  path")
