@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leanstate
-from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
+from leanstate import CheckpointError, KVStore, _backends, load_checkpoint, save_checkpoint
 from leanstate.reference import follower as textbook
 from tests.harness import FakeClock, kill_during
 
@@ -91,7 +91,7 @@ def history(trainer: Trainer, deltas: int) -> list[Path]:
 # -- following ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", sorted(_backends.available("kv_store")))  # numba-cuda: in the simulator
 def test_a_follower_applies_the_full_checkpoint_then_each_delta_in_order(tmp_path, backend):
     trainer = Trainer(tmp_path / "ckpts", backend)
     links = history(trainer, 3)
@@ -401,6 +401,14 @@ def _applies_with_a_reader(tmp_path: Path, backend: str, applies: int) -> tuple[
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reader_never_sees_a_link_half_applied_nor_an_older_one(tmp_path, backend):
     reads, torn, backward = _applies_with_a_reader(tmp_path, backend, 100)
+    assert reads > 0 and (torn, backward) == (0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_reader_of_a_gpu_store_never_sees_a_link_half_applied(tmp_path):
+    """(numba's CUDA simulator cannot launch from a second thread: on a GPU only.)"""
+    reads, torn, backward = _applies_with_a_reader(tmp_path, "numba-cuda", 100)
     assert reads > 0 and (torn, backward) == (0, 0)
 
 
