@@ -192,14 +192,19 @@ def _train(run: dict, rank: int, world: int) -> dict:
     if run.get("load_from"):
         first = _load(Path(run["load_from"]), ebc, mlp, zero, group)
     steps = range(first, run["steps"])
-    progress = None
+    progress, bar = None, None
     if rank == 0 and run.get("progress"):
         try:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(steps), desc=run["name"], unit="step", leave=True, file=sys.stdout)
+            # The bar starts after the first step: that one waits for numba to compile (or load
+            # from its cache) every kernel, and an ETA drawn from it would be minutes off.
+            print(f"{run['name']}: first step (compiling kernels, cached for later runs) ...", flush=True)
+            bar = lambda: tqdm(  # noqa: E731
+                total=len(steps), initial=1, desc=run["name"], unit="step", leave=True, file=sys.stdout
+            )
         except ImportError:
-            progress = None
+            bar = None
     for step in steps:
         data = global_batch(step, run["batch"], run["space"])
         features, clicks = local_batch(data, rank, world)
@@ -217,6 +222,9 @@ def _train(run: dict, rank: int, world: int) -> dict:
         record["losses"][step] = float(total)
         if progress is not None:
             progress.update(1)
+        elif bar is not None:
+            progress = bar()
+        if progress is not None:
             progress.set_postfix(loss=f"{float(total):.4f}")
         if (step + 1) % run["every"] == 0 and (step + 1) < run["steps"] and run.get("save", True):
             # every full_every-th save is full, the ones between are deltas of the save before
