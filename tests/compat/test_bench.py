@@ -166,3 +166,21 @@ def test_the_plain_reads_read_exactly_the_files_bytes(tmp_path):
         assert np.array_equal(buffer, data), read
     with pytest.raises(EOFError):
         read_into(tmp_path / "f", faulted(len(data) + 1))
+
+
+def test_the_follower_rows_measure_applies_readers_and_memory_beside_their_peers():
+    from leanstate._tools.bench import _line
+    from leanstate._tools.follower_workloads import PAUSE_BUDGET_S, follower_figures
+
+    backend = "numba" if "numba" in _backends.available("kv_store") else "reference"
+    lines = follower_figures(20_000, 8, backend, 5, _line)
+    rows = {line[1]: line for line in lines}
+    assert len(rows) == 4 and all(line[0] == "follower" for line in lines)
+    apply = rows["apply a delta of 1% of 20000 rows s"]
+    assert len(apply[7]) == 3  # deltas 2..4 timed: the first warms up, the last (5) is traced
+    assert apply[4] == "full load of the table" and apply[5] > 0
+    pause = rows["longest reader get during applies s"]
+    assert pause[5] == PAUSE_BUDGET_S and pause[3] >= rows["reader p99 of a 4096-id get during applies s"][3]
+    memory = rows["extra memory of applying a delta of 1% of 20000 rows bytes"]
+    assert memory[5] > 200 * 8 * 4  # the delta's files hold its 200 rows
+    assert memory[3] >= 200 * 4 * (4 + 8 + 4)  # the staged rows are held, at least
