@@ -17,13 +17,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {
-    "compat": "leanstate",
-    "compat/dcp": "leanstate.dcp",
-    "compat/_tools": "leanstate._tools",
-    "reference": "leanstate.reference",
-    "accelerated": "leanstate.accelerated",
-}
+ROOTS = {"compat": "leanstate", "reference": "leanstate.reference", "accelerated": "leanstate.accelerated"}
+
+
+def _packages() -> dict[str, str]:
+    """Every package folder of the source tree (one with ``__init__.py``) -> its import name:
+    derived from the tree, so a new sub-package is guarded by default."""
+    found = {}
+    for root, package in ROOTS.items():
+        for init in sorted((ROOT / root).rglob("__init__.py")):
+            folder = init.parent.relative_to(ROOT).as_posix()
+            found[folder] = package + "".join(
+                "." + part for part in init.parent.relative_to(ROOT / root).parts
+            )
+    return found
+
+
+FOLDERS = _packages()
 MODULES = sorted(p for folder in FOLDERS for p in (ROOT / folder).glob("*.py"))
 ENGINE_PREFIXES = ("numba_cuda_", "numba_", "torch_")
 # torch's multi-tensor ops (torch.nn.utils.clip_grad_norm_ uses them the same way)
