@@ -47,6 +47,7 @@ import torch
 from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint_manifest import (
     CHECKSUMS,
+    DEFAULT_CHUNK_BYTES,
     DTYPES,
     EXTRA_FILE,
     FORMAT_NAME,
@@ -60,9 +61,6 @@ from leanstate.reference.checkpoint_manifest import (
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout, header_words
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-
 
 # -- save -------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ FORMAT_NAME = "leanstate-whole-row"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 EXTRA_FILE = "extra.pt"
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # a save cuts its files into chunks of at most this
 MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # new chunks are written with CRC-32C; CRC-32 (zlib) is still read

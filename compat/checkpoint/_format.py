@@ -20,21 +20,34 @@ import torch
 from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint_manifest import (
     CHUNK_KEYS,
+    DEFAULT_CHUNK_BYTES,
+    DTYPES,
     EXTRA_FILE,
     EXTRA_KEYS,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST,
+    MAX_NAME_BYTES,
     TABLE_KEYS,
     TOP_KEYS,
     VIEW_KEYS,
     CheckpointError,
 )
-from leanstate.reference.delta_checkpoint import REMOVED_KEYS
+from leanstate.reference.delta_checkpoint import DELTA_FORMAT, REMOVED_KEYS
 from leanstate.reference.row_format import RowLayout, header_words
 
-__all__ = ["EXTRA_FILE", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "CheckpointError"]  # the format's names
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+# the format's facts, defined once in the textbook
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DELTA_FORMAT",
+    "DTYPES",
+    "EXTRA_FILE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MAX_NAME_BYTES",
+    "CheckpointError",
+]
 # Loads read at most this much at a time: the read, the CRC and the upsert of a slice
 # stay in cache (measured faster than whole 64 MiB chunks).
 SLICE_BYTES = 4 * 2**20
@@ -45,10 +58,8 @@ CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {
     "crc32": zlib.crc32,
 }
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Progress = Callable[[str, int, int], None]
-MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
 
 
 def check_table_name(name: object, method: str) -> None:
@@ -368,7 +379,6 @@ def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str |
     return None
 
 
-DELTA_FORMAT = "leanstate-whole-row-delta"
 DELTA_KEYS = ("format", "version", "base", "tables", "views", "extra")
 REMOVED_SUFFIX = ".removed"
 MAX_BASE_PATH_BYTES = 4096
