@@ -255,25 +255,30 @@ class Follower:
         return found, bad
 
     def _resume(self) -> None:
-        """F3: where the stores are. Empty and unmarked: nowhere yet; all marked at one
-        checkpoint under the directory: there; anything else is refused."""
+        """F3: where the stores are (on every rank: the ranks agree). Empty and unmarked:
+        nowhere yet; all marked at one checkpoint under the directory: there; anything else
+        is refused."""
         marks = {name: getattr(store, "mark", None) for name, store in self._stores.items()}
         empty = all(len(store) == 0 for store in self._stores.values())
         digests = {None if mark is None else mark.checkpoint for mark in marks.values()}
         if empty and digests == {None}:
+            mine = "fresh"
+        else:
+            mine = next(iter(digests)) if len(digests) == 1 and None not in digests else None
+        held = self._from_every_rank(mine)
+        if all(value == "fresh" for value in held):
             return
         problem, found = None, None
-        if len(digests) != 1 or None in digests:
+        if len(set(held)) != 1 or held[0] in (None, "fresh"):
+            shown = {n: None if m is None else m.checkpoint[:12] for n, m in marks.items()}
             problem = (
                 "the stores hold rows but their change marks do not name one checkpoint "
-                f"({ {n: None if m is None else m.checkpoint[:12] for n, m in marks.items()} })"
+                f"(this rank's: {shown}{'' if len(held) == 1 else f'; every rank holds {held}'})"
             )
-        else:
-            digest = next(iter(digests))
-            candidates = self._scan()[0] if self._rank == 0 else []
-            found = next((c for c in candidates if c.digest == digest), None)
-            if self._rank == 0 and found is None:
-                problem = f"the stores hold checkpoint {digest[:12]}..., which is not under {self.directory}"
+        elif self._rank == 0:
+            found = next((c for c in self._scan()[0] if c.digest == held[0]), None)
+            if found is None:
+                problem = f"the stores hold checkpoint {held[0][:12]}..., which is not under {self.directory}"
         problem, found = self._agreed((problem, found))
         if problem is not None:
             raise ValueError(

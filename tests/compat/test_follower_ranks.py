@@ -131,6 +131,9 @@ def follow_s1(rank, world, folder):
     for name, table in module.checkpoint_tables().items():  # every rank refused it: nothing applied
         keys, rows = rows_of(table.store)
         assert torch.equal(keys, before[name][0]) and torch.equal(rows, before[name][1])
+    # a follower made again over the same module resumes where the marks are, on every rank
+    again = leanstate.Follower(folder / "s1", module.checkpoint_tables(), process_group=dist.group.WORLD)
+    assert again.position == folder / "s1" / f"link-{DELTAS}"
 
 
 def save_s2(rank, world, folder):
