@@ -344,6 +344,8 @@ def test_bad_arguments_are_clear_errors(trainer):
         leanstate.Follower(3, {"t": new_store()})
     with pytest.raises(ValueError, match="chunk_bytes"):
         leanstate.Follower(trainer.folder, {"t": new_store()}, chunk_bytes=0)
+    with pytest.raises(TypeError, match="on_apply must be a callable"):
+        leanstate.Follower(trainer.folder, {"t": new_store()}, on_apply="print")
     with pytest.raises(ValueError, match="no store to follow"):
         leanstate.Follower(trainer.folder, {})
     view = leanstate.KVTensor(new_store(), width_offset=0, width=2)
@@ -507,3 +509,17 @@ def test_a_delta_of_removals_only_and_an_empty_delta_apply(trainer):
     assert follower.poll() == [removals, empty]
     assert [(a.rows, a.removed) for a in follower.history[1:]] == [(0, 3), (0, 0)]
     assert_same(serving, trainer.store)
+
+
+def test_on_apply_hears_of_each_link_as_it_is_applied(trainer):
+    links = history(trainer, 2)
+    heard = []
+    serving = new_store()
+    follower = leanstate.Follower(
+        trainer.folder, {"t": serving}, on_apply=lambda a: heard.append((a.path, len(serving)))
+    )
+    follower.poll()
+    assert [path for path, _ in heard] == links
+    first = new_store()
+    load_checkpoint(links[0], {"t": first})
+    assert heard[0][1] == len(first)  # called once the link is in, before the next is applied
