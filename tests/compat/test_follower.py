@@ -134,8 +134,9 @@ def test_polling_again_applies_nothing_and_a_copy_of_an_applied_link_is_the_same
     follower.poll()
     before = rows_of(serving)
     assert follower.poll() == []
-    shutil.copytree(links[1], trainer.folder / "copy-of-d1")  # the same manifest bytes: one link
-    shutil.copytree(links[0], trainer.folder / "copy-of-c0")
+    # the same manifest bytes, published later (new mtimes): the same links, applied already
+    shutil.copytree(links[1], trainer.folder / "copy-of-d1", copy_function=shutil.copy)
+    shutil.copytree(links[0], trainer.folder / "copy-of-c0", copy_function=shutil.copy)
     assert follower.poll() == []
     assert torch.equal(rows_of(serving)[1], before[1])
     assert len(follower.history) == 3
@@ -322,6 +323,8 @@ def test_a_restarted_follower_resumes_from_the_marks_its_stores_hold(trainer):
     new = trainer.save("d3")
     again = leanstate.Follower(trainer.folder, {"t": serving})
     assert again.position == links[-1]
+    # a later copy of a link below the position: the resumed follower knows its chain
+    shutil.copytree(links[1], trainer.folder / "copy-of-d1", copy_function=shutil.copy)
     assert again.poll() == [new]
     assert_same(serving, trainer.store)
 
@@ -485,7 +488,7 @@ def test_the_follower_is_held_to_the_textbook(tmp_path_factory, steps):
             trainer.write()
             links.append(trainer.save(f"s{n:03d}-full", full=True))
         elif step == "copy":
-            shutil.copytree(links[-1], trainer.folder / f"s{n:03d}-copy")
+            shutil.copytree(links[-1], trainer.folder / f"s{n:03d}-copy", copy_function=shutil.copy)
         outcomes = []
         for poll in (follower.poll, lambda: textbook.poll(trainer.folder, {"t": plain}, state)):
             try:

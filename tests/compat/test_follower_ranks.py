@@ -134,6 +134,7 @@ def follow_s1(rank, world, folder):
     # a follower made again over the same module resumes where the marks are, on every rank
     again = leanstate.Follower(folder / "s1", module.checkpoint_tables(), process_group=dist.group.WORLD)
     assert again.position == folder / "s1" / f"link-{DELTAS}"
+    assert f"rank={rank} of {world}" in repr(again) and "link-2" in repr(again)
 
 
 def save_s2(rank, world, folder):
