@@ -265,7 +265,7 @@ class Follower:
             mine = "fresh"
         else:
             mine = next(iter(digests)) if len(digests) == 1 and None not in digests else None
-        held = self._from_every_rank(mine)
+        held = from_every_rank(mine, self.process_group)
         if all(value == "fresh" for value in held):
             return
         problem, found = None, None
@@ -395,7 +395,9 @@ class Follower:
             problem = f"{link.path}: {exc}"
         except Exception as exc:  # every rank must reach the agreement, whatever failed here
             problem = f"{link.path}: {type(exc).__name__}: {exc}"
-        failed = [(rank, p) for rank, p in enumerate(self._from_every_rank(problem)) if p is not None]
+        failed = [
+            (rank, p) for rank, p in enumerate(from_every_rank(problem, self.process_group)) if p is not None
+        ]
         if failed:
             rank, why = failed[0]
             where = "" if self.process_group is None else f" (rank {rank})"
@@ -420,9 +422,6 @@ class Follower:
         self.history.append(applied)
         if self._on_apply is not None:
             self._on_apply(applied)
-
-    def _from_every_rank(self, value) -> list:
-        return [value] if self.process_group is None else from_every_rank(value, self.process_group)
 
     def _tables_for(self, link: Candidate) -> dict[str, BucketedTable]:
         """Each followed table as ``link`` is read into it (the saved bucketing for plain
