@@ -1,7 +1,9 @@
 """pytest plugin for ``make mutate``'s coverage run: the lines each test runs are recorded
 under its node id, those run by the processes it starts (gloo ranks, subprocesses) too,
 so that a mutant is tested by the tests that reach it. Each test's wall time goes to the
-JSON file named by ``LEANSTATE_MUTATION_DURATIONS``: a mutant's tests run fastest first."""
+JSON file named by ``LEANSTATE_MUTATION_DURATIONS`` (a mutant's tests run fastest first),
+with the node ids of the slow tier (``-m slow``, ``make test-slow``): a mutant runs the
+fast tier's tests first and the slow tier's only when it survives them."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import coverage
 import pytest
 
 _durations: dict[str, float] = {}
+_slow: set[str] = set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,6 +35,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if cov is None:
         yield
         return
+    if item.get_closest_marker("slow"):
+        _slow.add(item.nodeid)
     cov.switch_context(item.nodeid)
     # A Python process started during the test (coverage's .pth hook reads this variable)
     # measures itself under the test's node id.
@@ -51,4 +56,4 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get("LEANSTATE_MUTATION_DURATIONS")
     if path:
         with open(path, "w") as f:
-            json.dump(_durations, f)
+            json.dump({"seconds": _durations, "slow": sorted(_slow)}, f)

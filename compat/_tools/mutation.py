@@ -19,8 +19,11 @@ Per group (``tests/mutation/groups.toml``: modules, the test files that cover th
    so an interrupted run resumes;
 3. each mutant runs ``pytest -x -q -p no:randomly`` under ``nice -n 19`` on the tests that
    reach its line, fastest first; a line reached by none (a numba kernel's body) gets all of
-   the group's test files; a line run at import (outside a function body) gets the tests
-   that reach the module, and, when it survives them, all of the group's test files;
+   the group's tests; a line run at import (outside a function body) gets the tests that
+   reach the module, and, when it survives them, all of the group's tests. The fast tier
+   (``make test``) runs first and the slow tier (``-m slow``) only on a survivor of it, so
+   each kill is filed under the tier that made it: the report gives the fast tier's kill
+   rate beside both tiers', the rule for what may move to ``make test-slow``;
 4. the outcomes go to ``tests/mutation/results/<group>.json`` (committed) and the report
    is rewritten from all groups' results and ``tests/mutation/survivors.toml`` (why a
    survivor is equivalent).
@@ -65,6 +68,7 @@ REPORT = ROOT / "tests" / "MUTATION.md"
 WORK = ROOT / ".mutation"
 PYTEST = ["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider"]
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+_SLOW_TIER = "[killed in the slow tier]\n"  # heads a result's output
 
 
 def _groups() -> dict[str, dict]:
@@ -121,11 +125,13 @@ def _coverage_map(name: str, group: dict) -> dict:
     for module in group["modules"]:
         contexts = data.contexts_by_lineno(str(ROOT / module))
         lines[module] = {str(line): sorted(c for c in ids if c) for line, ids in contexts.items()}
+    timings = json.loads(durations.read_text())
     baseline = {
         "key": key,
         "seconds": round(seconds, 1),
         "lines": lines,
-        "durations": json.loads(durations.read_text()),
+        "durations": timings["seconds"],
+        "slow": timings["slow"],
     }
     cache.write_text(json.dumps(baseline))
     return baseline
@@ -191,7 +197,6 @@ def _run_group(
     """Run the group's chosen mutants: its sample, or with ``diff`` every mutant on a line
     changed since that revision (its outcomes returned instead of exported)."""
     import parso
-    from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_item import TestOutcome
 
     dirty = _git("status", "--porcelain", "--", *group["modules"])
@@ -256,15 +261,14 @@ def _run_group(
                     tests.update(lines.get(str(line), ()))
             else:  # run at import: first the tests that run the module
                 tests.update(t for ids in lines.values() for t in ids)
+            every = sorted(baseline["durations"], key=lambda t: (baseline["durations"][t], t))
             # fastest first: -x stops at the first failure
-            targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or group["tests"]
-            command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *targets])
-            result = mutate_and_test(item.mutations, command, timeout)
+            targets = sorted(tests, key=lambda t: (baseline["durations"].get(t, 0.0), t)) or every
+            result = _test_in_tiers(item, targets, set(baseline["slow"]), timeout)
             if at_import and _outcome(result) == "survived" and tests:
                 # what it defines may reach a test through another module (a default
-                # argument there) without running a line of this one: all the files then
-                command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *group["tests"]])
-                result = mutate_and_test(item.mutations, command, timeout)
+                # argument there) without running a line of this one: all the tests then
+                result = _test_in_tiers(item, every, set(baseline["slow"]), timeout)
             db.set_result(item.job_id, result)
             print(f"[{name}] {done + 1}/{len(pending)} {_describe(mutation)}: {_outcome(result)}", flush=True)
     finally:  # also when stopped: what ran is reported, the rest as not run
@@ -273,6 +277,24 @@ def _run_group(
         )
         db.close()
     return outcome
+
+
+def _test_in_tiers(item, targets: list[str], slow: set[str], timeout: float):
+    """``targets`` on the mutant: the fast tier's, then, if it survives them, the slow
+    tier's; a kill in the slow tier is marked in the result's output."""
+    from attrs import evolve
+    from cosmic_ray.mutating import mutate_and_test
+
+    result = None
+    for tier in ([t for t in targets if t not in slow], [t for t in targets if t in slow]):
+        if not tier:
+            continue
+        command = shlex.join(["nice", "-n", "19", sys.executable, *PYTEST, "-x", *tier])
+        later = result is not None
+        result = mutate_and_test(item.mutations, command, timeout)
+        if _outcome(result) != "survived":
+            return evolve(result, output=_SLOW_TIER + (result.output or "")) if later else result
+    return result
 
 
 def _diff_outcomes(db, chosen) -> dict:
@@ -354,6 +376,8 @@ def _export(name: str, group: dict, db, baseline: dict, sampled) -> None:
         if entry["outcome"] == "killed":
             match = _FAILED.search(result.output or "")
             entry["killed_by"] = match.group(1) if match else "(collection or import)"
+        if entry["outcome"] in ("killed", "timeout"):
+            entry["tier"] = "slow" if (result.output or "").startswith(_SLOW_TIER) else "fast"
         if result is not None and (entry["outcome"] == "survived" or before.get(entry["id"], {}).get("diff")):
             entry["diff"] = _diff_lines(result.diff)  # a survivor, now or once
         mutants.append(entry)
@@ -364,6 +388,7 @@ def _export(name: str, group: dict, db, baseline: dict, sampled) -> None:
         "modules": _digest(group["modules"]),
         "tests": group["tests"],
         "baseline_seconds": baseline["seconds"],
+        "slow_tests": len(baseline["slow"]),
         "mutants": mutants,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -401,6 +426,24 @@ def _rate(counts: dict[str, int]) -> str:
         return "-"
     low, high = wilson(killed, run)
     return f"{100 * killed / run:.1f}% ({100 * low:.1f}-{100 * high:.1f})"
+
+
+def _fast_tier(record: dict, counts: dict[str, int]) -> str:
+    """The kill rate of the fast tier alone and how far below both tiers' it is."""
+    if "slow_tests" not in record:
+        return "- (run before the tiers were told apart)"
+    if not record["slow_tests"]:
+        return "the same: no slow tests"
+    late = sum(m.get("tier") == "slow" for m in record["mutants"])
+    fast = {
+        **counts,
+        "killed": counts["killed"] + counts["timeout"] - late,
+        "timeout": 0,
+        "survived": counts["survived"] + late,
+    }
+    run = counts["killed"] + counts["timeout"] + counts["survived"]
+    below = 100 * late / run if run else 0.0
+    return f"{_rate(fast)}, {below:.1f} points below"
 
 
 def _family(mutant: dict) -> str:
@@ -445,8 +488,13 @@ def write_report() -> Path:
         "survived) over the mutants run, with its 95% Wilson interval. `make mutate-diff REV=...`",
         "runs every mutant on the lines changed since REV instead (not recorded here).",
         "",
-        "| family | group | modules | mutants | sampled | killed | timeout | survived | not run | kill rate (95%) | run on |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "The tiers: a mutant runs the fast tier's tests (`make test`) first and the slow tier's",
+        "(`-m slow`, `make test-slow`) only when it survives them. *Kill rate* counts both tiers;",
+        "*fast tier alone* counts only the fast tier's kills. A test may move to the slow tier",
+        "only while the fast tier alone stays within 2 points of both tiers in every group.",
+        "",
+        "| family | group | modules | mutants | sampled | killed | timeout | survived | not run | kill rate (95%) | fast tier alone (95%) | run on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_family: dict[str, list[dict]] = {}
     by_operator: dict[str, list[dict]] = {}
@@ -455,7 +503,7 @@ def write_report() -> Path:
         record = records.get(name)
         if record is None:
             out.append(
-                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | - | not run | {group.get('note', '-')} |"
+                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | - | not run | - | {group.get('note', '-')} |"
             )
             continue
         by_family.setdefault(group["family"], []).extend(record["mutants"])
@@ -469,7 +517,8 @@ def write_report() -> Path:
         out.append(
             f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | sampled {sampled} of"
             f" {len(record['mutants'])} | {c['killed']} | {c['timeout']} | {c['survived']} |"
-            f" {c['pending'] + c['incompetent']} | {_rate(c)} | {record['commit']}, {record['date']}{stale} |"
+            f" {c['pending'] + c['incompetent']} | {_rate(c)} | {_fast_tier(record, c)} |"
+            f" {record['commit']}, {record['date']}{stale} |"
         )
     out += ["", "Per module family (the groups run so far):", ""]
     for family, mutants in by_family.items():

@@ -4,6 +4,7 @@ and the report written from the groups' results."""
 from __future__ import annotations
 
 import json
+import os
 
 import parso
 import pytest
@@ -153,11 +154,11 @@ def test_the_report_counts_explains_and_names_the_killing_test(tmp_path, monkeyp
     row = next(line for line in text.splitlines() if line.startswith("| core | one |"))
     # 7 mutants, 6 sampled: killed 2, timeout 1, survived 2, not run 1; (2 + 1) / 5, Wilson 23.1-88.2
     assert (
-        "| 7 | sampled 6 of 7 | 2 | 1 | 2 | 1 | 60.0% (23.1-88.2) | abc1234, 2026-01-01 00:00 UTC (stale"
-        in row
+        "| 7 | sampled 6 of 7 | 2 | 1 | 2 | 1 | 60.0% (23.1-88.2) | - (run before the tiers were told apart) |"
+        " abc1234, 2026-01-01 00:00 UTC (stale" in row
     )
     assert "(1 of the sample not run yet)" in row and "partial" not in text
-    assert "| core | two | `compat/zero.py` | - | - | - | - | - | - | not run | - |" in text
+    assert "| core | two | `compat/zero.py` | - | - | - | - | - | - | not run | - | - |" in text
     assert "| token | boolean | 3 | 100.0% (43.8-100.0) |" in text  # the AddNot mutants run
     assert "| realistic | removed statement | 1 | 0.0% (0.0-79.3) |" in text
     assert "- `m.py:3:NumberPlusOne` `-x = 1` / `+x = 2`: equivalent: a cache size" in text
@@ -181,3 +182,91 @@ def test_changed_lines_are_the_new_sides_hunks(tmp_path, monkeypatch):
     hunks = "@@ -3 +3 @@\n-a\n+b\n@@ -10,0 +11,2 @@\n+c\n+d\n@@ -20,2 +22,0 @@\n-e\n-f\n"
     monkeypatch.setattr(mutation, "_git", lambda *args: hunks)
     assert mutation.changed_lines("HEAD", "m.py") == {3, 11, 12}
+
+
+def test_the_slow_tier_runs_only_on_a_survivor_of_the_fast_tier_and_its_kills_are_marked(
+    tmp_path, monkeypatch
+):
+    import cosmic_ray.plugins
+    from cosmic_ray.work_item import MutationSpec, TestOutcome
+
+    cosmic_ray.plugins.OPERATOR_PROVIDERS.clear()
+    cosmic_ray.plugins.OPERATOR_PROVIDERS["leanstate"] = PROVIDER
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text("X = 1\nY = 2\n")  # the mutant: X = 2
+    ran = tmp_path / "slow-ran"
+    (tmp_path / "test_t.py").write_text(
+        "import pathlib\nimport m\n"
+        "def test_y():\n    assert m.Y == 2\n"
+        "def test_x():\n    assert m.X == 1\n"
+        f"def test_x_slowly():\n    pathlib.Path({str(ran)!r}).touch()\n    assert m.X == 1\n"
+    )
+    item = type(
+        "Item", (), {"mutations": [MutationSpec("m.py", "leanstate/NumberPlusOne", 0, (1, 4), (1, 5))]}
+    )()
+    y, x, x_slowly = (f"test_t.py::{t}" for t in ("test_y", "test_x", "test_x_slowly"))
+    slow = {x_slowly}
+
+    killed_late = mutation._test_in_tiers(item, [y, x_slowly], slow, 60)
+    assert killed_late.test_outcome == TestOutcome.KILLED and ran.exists()
+    assert killed_late.output.startswith(mutation._SLOW_TIER) and "test_x_slowly" in killed_late.output
+    ran.unlink()
+    killed_early = mutation._test_in_tiers(item, [y, x, x_slowly], slow, 60)
+    assert killed_early.test_outcome == TestOutcome.KILLED and not ran.exists()  # slow tier not run
+    assert not killed_early.output.startswith(mutation._SLOW_TIER)
+    assert mutation._test_in_tiers(item, [y], slow, 60).test_outcome == TestOutcome.SURVIVED
+    assert (tmp_path / "m.py").read_text() == "X = 1\nY = 2\n"
+
+
+def test_the_report_gives_the_fast_tiers_kill_rate_beside_both_tiers(tmp_path, monkeypatch):
+    config = tmp_path / "groups.toml"
+    config.write_text(
+        "".join(
+            f'[groups.{g}]\nfamily = "core"\nmodules = ["compat/wrappers.py"]\ntests = ["tests/t.py"]\n'
+            for g in ("tiers", "flat", "old")
+        )
+    )
+    results = tmp_path / "results"
+    results.mkdir()
+    kills = [{"id": f"m.py:{i}:AddNot", "outcome": "killed", "tier": "fast"} for i in range(7)]
+    late = [{"id": "m.py:8:AddNot", "outcome": "killed", "tier": "slow"}]
+    late += [{"id": "m.py:9:AddNot", "outcome": "timeout", "tier": "slow"}]
+    survivor = [{"id": "m.py:10:AddNot", "outcome": "survived", "diff": ["-a", "+b"]}]
+    base = {"commit": "abc1234", "date": "d", "modules": "0" * 16, "tests": [], "baseline_seconds": 1}
+    for name, extra, mutants in [
+        ("tiers", {"slow_tests": 3}, kills + late + survivor),
+        ("flat", {"slow_tests": 0}, kills + survivor),
+        ("old", {}, kills),
+    ]:
+        (results / f"{name}.json").write_text(
+            json.dumps({**base, **extra, "group": name, "mutants": mutants})
+        )
+    for name, value in [("CONFIG", config), ("RESULTS", results), ("REPORT", tmp_path / "MUTATION.md")]:
+        monkeypatch.setattr(mutation, name, value)
+    monkeypatch.setattr(mutation, "SURVIVORS", tmp_path / "none.toml")
+    rows = {
+        line.split(" | ")[1]: line
+        for line in mutation.write_report().read_text().splitlines()
+        if "| core |" in line
+    }
+    # both tiers: 9 of 10; the fast tier alone: 7 of 10, 20 points below
+    assert "| 90.0% (59.6-98.2) | 70.0% (39.7-89.2), 20.0 points below |" in rows["tiers"]
+    assert "| 87.5% (52.9-97.8) | the same: no slow tests |" in rows["flat"]
+    assert "| - (run before the tiers were told apart) |" in rows["old"]
+
+
+def test_the_coverage_run_files_each_tests_time_and_the_slow_tiers_tests(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "test_t.py").write_text(
+        "import pytest\ndef test_quick():\n    pass\n@pytest.mark.slow\ndef test_long():\n    pass\n"
+    )
+    out = tmp_path / "durations.json"
+    env = {**os.environ, "LEANSTATE_MUTATION_DURATIONS": str(out)}
+    command = [sys.executable, "-m", "coverage", "run", f"--data-file={tmp_path / '.cov'}", *mutation.PYTEST]
+    command += ["-p", "leanstate._tools._mutation_context", "test_t.py"]
+    subprocess.run(command, cwd=tmp_path, env=env, check=True, capture_output=True)
+    timings = json.loads(out.read_text())
+    assert sorted(timings["seconds"]) == ["test_t.py::test_long", "test_t.py::test_quick"]
+    assert timings["slow"] == ["test_t.py::test_long"]
