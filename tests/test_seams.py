@@ -1,6 +1,6 @@
 """The sealed seams (``spec/backends.md``, "Where each kind of code lives"), checked over the source: no module uses
-another's privates, no engine imports a peer engine, no module outgrows one idea, and no
-test imports another test file.
+another's privates, no sub-package builds on another's underscore modules, no engine
+imports a peer engine, no module outgrows one idea, and no test imports another test file.
 
 A name with a leading underscore belongs to the module that defines it. Another module
 may import a private *module* of its own package (``leanstate._backends``) and use its
@@ -92,6 +92,67 @@ def test_there_are_modules_to_check():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_module_uses_another_modules_private_names(path):
     assert foreign_privates(path) == []
+
+
+def _imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for each leanstate module ``path`` imports, relative imports
+    resolved and ``from package import module`` counted as that module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((node.lineno, module))
+            found += [
+                (node.lineno, f"{module}.{a.name}")
+                for a in node.names
+                if _private_module_exists(module, a.name)
+            ]
+    return [(line, m) for line, m in found if m.split(".")[0] == "leanstate"]
+
+
+def foreign_private_modules(path: Path, package: str) -> list[str]:
+    """``file:line: module`` for each import of an underscore module that belongs to neither
+    ``package`` (the importer's) nor a package above it: another sub-package's internals,
+    which it may use only through that sub-package's declared surface (``checkpoint/core.py``)."""
+    packages = set(FOLDERS.values()) | {package}
+    found = []
+    for line, module in _imported_modules(path, package):
+        parts = module.split(".")
+        owner = next(".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in packages)
+        rest = parts[len(owner.split(".")) :]
+        mine = package == owner or package.startswith(owner + ".")
+        if rest and _private(rest[0]) and not mine:
+            found.append(f"{path.name}:{line}: {module}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_sub_package_imports_another_sub_packages_underscore_modules(path):
+    assert foreign_private_modules(path, FOLDERS[path.parent.relative_to(ROOT).as_posix()]) == []
+
+
+def test_the_sub_package_check_catches_a_reach_into_the_checkpoint_core(tmp_path):
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text(
+        "from leanstate.checkpoint._files import publish\n"
+        "from leanstate.checkpoint import _chunks\n"
+        "from ..checkpoint._format import DTYPES\n"
+        "import leanstate.checkpoint._ranks\n"
+        "from leanstate.checkpoint.core import publish\n"  # the declared surface
+        "from leanstate._backends import available\n"  # the package's own, above dcp
+        "from leanstate.dcp._state import split_key\n"  # dcp's own
+        "from . import _sources\n"
+    )
+    assert foreign_private_modules(leaky, "leanstate.dcp") == [
+        "leaky.py:1: leanstate.checkpoint._files",
+        "leaky.py:2: leanstate.checkpoint._chunks",
+        "leaky.py:3: leanstate.checkpoint._format",
+        "leaky.py:4: leanstate.checkpoint._ranks",
+    ]
+    assert foreign_private_modules(leaky, "leanstate.checkpoint") == ["leaky.py:7: leanstate.dcp._state"]
 
 
 def _backend_of(module: str) -> str | None:

@@ -78,7 +78,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from leanstate.checkpoint._files import replace_directory
+    from leanstate.checkpoint.core import replace_directory
     from leanstate.dcp import convert
 
     source, target = Path(args.source), Path(args.target)

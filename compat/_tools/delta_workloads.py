@@ -15,7 +15,7 @@ import torch
 import leanstate
 from leanstate._tools.workloads import filled_store, samples
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
-from leanstate.checkpoint._background import finish_removals
+from leanstate.checkpoint.core import finish_removals
 
 DELTA_SAVE_TARGET = 20.0  # a delta of 1% of the rows saves in at most 0.05x a full save's time
 DELTA_BYTES_TARGET = 1 / 1.05  # its files hold at most 1.05x the changed rows and removed ids

@@ -18,7 +18,7 @@ import torch
 
 import leanstate
 from leanstate._tools.follow import newest_full, stores_for
-from leanstate.checkpoint._format import MANIFEST
+from leanstate.checkpoint.core import MANIFEST
 
 
 class ServingFollower:

@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import leanstate
-from leanstate.checkpoint._files import read_manifest_and_digest
-from leanstate.checkpoint._format import DTYPES, MANIFEST, is_delta
+from leanstate.checkpoint.core import DTYPES, MANIFEST, is_delta, read_manifest_and_digest
 
 
 def newest_full(directory: Path) -> dict | None:

@@ -7,9 +7,7 @@ import warnings
 from pathlib import Path
 
 from leanstate.checkpoint import verify_checkpoint
-from leanstate.checkpoint._bucketed_table import describe_bucketing
-from leanstate.checkpoint._files import read_manifest_and_digest
-from leanstate.checkpoint._format import DTYPES, MANIFEST, is_delta
+from leanstate.checkpoint.core import DTYPES, MANIFEST, describe_bucketing, is_delta, read_manifest_and_digest
 from leanstate.checkpoint.sharded import verify_sharded
 from leanstate.kv_store import KVStore
 from leanstate.reference.checkpoint import CheckpointError
@@ -35,7 +33,7 @@ def _dcp(path: str) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from leanstate.dcp import INDEX_KEY, KVLoadPlanner, SafeFileSystemReader
-    from leanstate.dcp._state import split_key
+    from leanstate.dcp.core import split_key
 
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
@@ -99,7 +97,7 @@ def _sharded(path: str, manifest: dict) -> int:
 
 def _chain(path: str) -> int:
     """``inspect`` of a delta: every link of its chain, each verified."""
-    from leanstate.checkpoint._chain import read_chain, verify_chain
+    from leanstate.checkpoint.core import read_chain, verify_chain
 
     try:
         links = read_chain(Path(path), "inspect")

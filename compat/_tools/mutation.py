@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -60,26 +58,21 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "tests" / "mutation" / "groups.toml"
-SURVIVORS = ROOT / "tests" / "mutation" / "survivors.toml"
-RESULTS = ROOT / "tests" / "mutation" / "results"
-REPORT = ROOT / "tests" / "MUTATION.md"
+from leanstate._tools._mutation_report import (
+    RESULTS,
+    ROOT,
+    SURVIVORS,
+    count_outcomes,
+    digest,
+    rate,
+    read_groups,
+    write_report,
+)
+
 WORK = ROOT / ".mutation"
 PYTEST = ["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider"]
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 _SLOW_TIER = "[killed in the slow tier]\n"  # heads a result's output
-
-
-def _groups() -> dict[str, dict]:
-    return tomllib.loads(CONFIG.read_text())["groups"]
-
-
-def _digest(paths: list[str]) -> str:
-    h = hashlib.sha256()
-    for path in paths:
-        h.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
-    return h.hexdigest()[:16]
 
 
 def _git(*args: str) -> str:
@@ -92,7 +85,7 @@ def _git(*args: str) -> str:
 def _coverage_map(name: str, group: dict) -> dict:
     """The group's tests run once unmutated under coverage; ``{module: {line: [node ids]}}``
     and the run's wall time, cached until the modules or test files change."""
-    key = _digest([*group["modules"], *group["tests"], "compat/_tools/_mutation_context.py"])
+    key = digest([*group["modules"], *group["tests"], "compat/_tools/_mutation_context.py"])
     cache = WORK / f"{name}.baseline.json"
     if cache.exists() and json.loads(cache.read_text())["key"] == key:
         return json.loads(cache.read_text())
@@ -160,7 +153,7 @@ def _open_session(name: str, group: dict):
 
     cosmic_ray.plugins.OPERATOR_PROVIDERS.clear()
     cosmic_ray.plugins.OPERATOR_PROVIDERS["leanstate"] = OperatorProvider()
-    key = _digest([*group["modules"], "compat/_tools/_mutation_ops.py"])
+    key = digest([*group["modules"], "compat/_tools/_mutation_ops.py"])
     stamp = WORK / f"{name}.modules"
     db = WorkDB(str(WORK / f"{name}.sqlite"), WorkDB.Mode.create)
     if not stamp.exists() or stamp.read_text() != key:
@@ -385,7 +378,7 @@ def _export(name: str, group: dict, db, baseline: dict, sampled) -> None:
         "group": name,
         "commit": _git("rev-parse", "--short", "HEAD"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "modules": _digest(group["modules"]),
+        "modules": digest(group["modules"]),
         "tests": group["tests"],
         "baseline_seconds": baseline["seconds"],
         "slow_tests": len(baseline["slow"]),
@@ -393,172 +386,6 @@ def _export(name: str, group: dict, db, baseline: dict, sampled) -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
-
-
-# -- the report -------------------------------------------------------------------------
-
-
-OUTCOMES = ("killed", "timeout", "survived", "incompetent", "pending", "not sampled")
-
-
-def _count(mutants: list[dict]) -> dict[str, int]:
-    counts = dict.fromkeys(OUTCOMES, 0)
-    for m in mutants:
-        counts[m["outcome"]] += 1
-    return counts
-
-
-def wilson(killed: int, run: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a kill rate of ``killed`` of ``run`` mutants."""
-    if not run:
-        return (0.0, 1.0)
-    p = killed / run
-    centre = (p + z * z / (2 * run)) / (1 + z * z / run)
-    half = z * math.sqrt(p * (1 - p) / run + z * z / (4 * run * run)) / (1 + z * z / run)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def _rate(counts: dict[str, int]) -> str:
-    """``91.3% (84.0-95.6)``: the kill rate over the mutants run, with its 95% interval."""
-    killed = counts["killed"] + counts["timeout"]
-    run = killed + counts["survived"]
-    if not run:
-        return "-"
-    low, high = wilson(killed, run)
-    return f"{100 * killed / run:.1f}% ({100 * low:.1f}-{100 * high:.1f})"
-
-
-def _fast_tier(record: dict, counts: dict[str, int]) -> str:
-    """The kill rate of the fast tier alone and how far below both tiers' it is."""
-    if "slow_tests" not in record:
-        return "- (run before the tiers were told apart)"
-    if not record["slow_tests"]:
-        return "the same: no slow tests"
-    late = sum(m.get("tier") == "slow" for m in record["mutants"])
-    fast = {
-        **counts,
-        "killed": counts["killed"] + counts["timeout"] - late,
-        "timeout": 0,
-        "survived": counts["survived"] + late,
-    }
-    run = counts["killed"] + counts["timeout"] + counts["survived"]
-    below = 100 * late / run if run else 0.0
-    return f"{_rate(fast)}, {below:.1f} points below"
-
-
-def _family(mutant: dict) -> str:
-    from leanstate._tools._mutation_ops import family_of
-
-    return family_of(mutant.get("operator") or mutant["id"].split(":")[2].split("#")[0])
-
-
-def write_report() -> Path:
-    """Rewrite ``tests/MUTATION.md`` from the groups' results and the survivors' notes."""
-    from leanstate._tools._mutation_ops import REALISTIC
-
-    groups = _groups()
-    notes = tomllib.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
-    records = {
-        n: json.loads((RESULTS / f"{n}.json").read_text()) for n in groups if (RESULTS / f"{n}.json").exists()
-    }
-    out = [
-        "# Mutation testing",
-        "",
-        "Written by `make mutate` (`compat/_tools/mutation.py`) from cosmic-ray's results in",
-        "`tests/mutation/results/`; do not edit by hand. A survivor's reason for being equivalent",
-        "is kept in `tests/mutation/survivors.toml`. `make mutate GROUPS=name` runs one group;",
-        "rerun a group whenever its modules change (its row then reads *stale*).",
-        "",
-        "Token operators (one token changed): comparison (`==`/`!=`, `<`/`<=`, `>`/`>=`,",
-        "`is`/`is not`), boolean (`and`/`or`, `True`/`False`, an added or removed `not`),",
-        "arithmetic (`+`/`-`, `*`/`/`, `//`, `%`, `**`, shifts, bit operators, unary minus removed),",
-        "constant (a number one larger), loop (`break`/`continue` swapped, a `for` over nothing).",
-        "Realistic operators (a step left out or misplaced): removed statement (a call, `raise`,",
-        "`assert`, `del`, augmented assignment or assignment to an attribute or item replaced by",
-        "`pass`), dropped keyword argument, condition forced (an `if`/`elif` condition replaced by",
-        "`True` or `False`), early return (a `return` before a function's first statement),",
-        "swapped statements (two adjacent statements of a block, one an effect or an `if`, in the",
-        "other order), slice bound off by one. No string is mutated (docstrings, error messages),",
-        "nor anything in an f-string or an annotation.",
-        "",
-        "Each group runs a seeded sample of its mutants (40 by default, all where it has fewer;",
-        '`make mutate MUTATE_ARGS="--sample N --seed S"`); each mutant runs the tests that reach',
-        "its line (`-x -q -p no:randomly`, `nice -n 19`, a timeout of twice the group's coverage",
-        "run); a timeout counts as killed. Kill rate: (killed + timeout) / (killed + timeout +",
-        "survived) over the mutants run, with its 95% Wilson interval. `make mutate-diff REV=...`",
-        "runs every mutant on the lines changed since REV instead (not recorded here).",
-        "",
-        "The tiers: a mutant runs the fast tier's tests (`make test`) first and the slow tier's",
-        "(`-m slow`, `make test-slow`) only when it survives them. *Kill rate* counts both tiers;",
-        "*fast tier alone* counts only the fast tier's kills. A test may move to the slow tier",
-        "only while the fast tier alone stays within 2 points of both tiers in every group.",
-        "",
-        "| family | group | modules | mutants | sampled | killed | timeout | survived | not run | kill rate (95%) | fast tier alone (95%) | run on |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    by_family: dict[str, list[dict]] = {}
-    by_operator: dict[str, list[dict]] = {}
-    for name, group in groups.items():
-        modules = ", ".join(f"`{m}`" for m in group["modules"])
-        record = records.get(name)
-        if record is None:
-            out.append(
-                f"| {group['family']} | {name} | {modules} | - | - | - | - | - | - | not run | - | {group.get('note', '-')} |"
-            )
-            continue
-        by_family.setdefault(group["family"], []).extend(record["mutants"])
-        for m in record["mutants"]:
-            if m["outcome"] not in ("not sampled", "pending", "incompetent"):
-                by_operator.setdefault(_family(m), []).append(m)
-        c = _count(record["mutants"])
-        sampled = len(record["mutants"]) - c["not sampled"]
-        stale = " (stale: modules changed since)" if record["modules"] != _digest(group["modules"]) else ""
-        stale += f" ({c['pending']} of the sample not run yet)" if c["pending"] else ""
-        out.append(
-            f"| {group['family']} | {name} | {modules} | {len(record['mutants'])} | sampled {sampled} of"
-            f" {len(record['mutants'])} | {c['killed']} | {c['timeout']} | {c['survived']} |"
-            f" {c['pending'] + c['incompetent']} | {_rate(c)} | {_fast_tier(record, c)} |"
-            f" {record['commit']}, {record['date']}{stale} |"
-        )
-    out += ["", "Per module family (the groups run so far):", ""]
-    for family, mutants in by_family.items():
-        c = _count(mutants)
-        names = [n for n, g in groups.items() if g["family"] == family]
-        missing = [n for n in names if n not in records]
-        run = c["killed"] + c["timeout"] + c["survived"]
-        out.append(
-            f"- {family}: {run} mutants run, kill rate {_rate(c)}"
-            + (f"; not run yet: {', '.join(missing)}" if missing else "")
-        )
-    out += [
-        "",
-        "Per operator family (every group's sample):",
-        "",
-        "| operators | family | run | kill rate (95%) |",
-    ]
-    out.append("|---|---|---|---|")
-    for family in sorted(by_operator, key=lambda f: (f in REALISTIC.values(), f)):
-        c = _count(by_operator[family])
-        kind = "realistic" if family in REALISTIC.values() else "token"
-        out.append(f"| {kind} | {family} | {c['killed'] + c['timeout'] + c['survived']} | {_rate(c)} |")
-    everything = [m for ms in by_operator.values() for m in ms]
-    out.append(f"| all | all | {len(everything)} | {_rate(_count(everything))} |")
-    for name, record in records.items():
-        survivors = [m for m in record["mutants"] if m.get("diff")]
-        if not survivors:
-            continue
-        out += ["", f"## {name}: survivors", "", f"Tests: {', '.join(f'`{t}`' for t in record['tests'])}", ""]
-        for m in survivors:
-            change = " / ".join(f"`{line}`" for line in m["diff"])
-            if m["outcome"] in ("killed", "timeout"):
-                verdict = f"now killed by `{m.get('killed_by', 'a timeout')}`"
-            elif m["id"] in notes:
-                verdict = f"equivalent: {notes[m['id']]['why']}"
-            else:
-                verdict = "**not yet explained**"
-            out.append(f"- `{m['id']}` {change}: {verdict}")
-    REPORT.write_text("\n".join(out) + "\n")
-    return REPORT
 
 
 def _run_diff(rev: str, groups: dict, chosen: list[str], deadline: float) -> int:
@@ -573,8 +400,8 @@ def _run_diff(rev: str, groups: dict, chosen: list[str], deadline: float) -> int
         outcomes.update(_run_group(name, group, deadline, False, diff=rev) or {})
     WORK.mkdir(exist_ok=True)
     (WORK / "diff.json").write_text(json.dumps({"rev": rev, "mutants": outcomes}, indent=1) + "\n")
-    c = _count([{"outcome": v["outcome"]} for v in outcomes.values()])
-    print(f"mutate-diff since {rev}: {len(outcomes)} mutants on changed lines, kill rate {_rate(c)}")
+    c = count_outcomes([{"outcome": v["outcome"]} for v in outcomes.values()])
+    print(f"mutate-diff since {rev}: {len(outcomes)} mutants on changed lines, kill rate {rate(c)}")
     open_survivors = 0
     for mutant_id, v in sorted(outcomes.items()):
         if v["outcome"] == "survived":
@@ -588,7 +415,7 @@ def _run_diff(rev: str, groups: dict, chosen: list[str], deadline: float) -> int
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m leanstate._tools.mutation [--groups a,b] [--minutes N] ...``"""
-    groups = _groups()
+    groups = read_groups()
     parser = argparse.ArgumentParser(prog="make mutate", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--groups", default="", help=f"comma-separated, of: {', '.join(groups)} (default: all)"

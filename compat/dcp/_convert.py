@@ -8,16 +8,19 @@ from pathlib import Path
 
 import torch
 
-from leanstate.checkpoint._chunks import ChunkFile
-from leanstate.checkpoint._files import (
+from leanstate.checkpoint.core import (
+    DTYPES,
+    MANIFEST,
+    ChunkFile,
     checked_target,
+    is_delta,
     publish,
     read_extra,
     read_manifest_and_digest,
     staged,
+    table_entry,
     write_synced,
 )
-from leanstate.checkpoint._format import DTYPES, MANIFEST, is_delta, table_entry
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import DEFAULT_CHUNK_BYTES, INDEX_KEY, NativeTable
 from leanstate.dcp._transaction import load, save

@@ -17,9 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, Metadata,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from leanstate.checkpoint._arguments import check_layout
-from leanstate.checkpoint._bucketed_table import BucketedTable
-from leanstate.checkpoint._chunks import in_saving_order
+from leanstate.checkpoint.core import BucketedTable, check_layout, in_saving_order
 from leanstate.dcp._state import (
     CRC,
     FIRST_BUCKET,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from leanstate.checkpoint._ranks import group_rank
+from leanstate.checkpoint.core import group_rank
 from leanstate.dcp import _transaction
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import Entry, split_state

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from leanstate.checkpoint._background import Behind
+from leanstate.checkpoint.core import Behind
 from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.reference.checkpoint import CheckpointError
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, Metadata, SavePlan,
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 
-from leanstate.checkpoint._format import check_chunk_bytes
+from leanstate.checkpoint.core import check_chunk_bytes
 from leanstate.dcp._sources import NativeRows, StoreRows
 from leanstate.dcp._state import (
     CRC,

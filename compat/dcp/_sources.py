@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from leanstate.checkpoint._chunks import (
+from leanstate.checkpoint.core import (
     TableRead,
     chunk_spans,
     gather,

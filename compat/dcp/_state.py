@@ -17,8 +17,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate.checkpoint._bucketed_table import BucketedTable
-from leanstate.checkpoint._format import DTYPES, layout_fields
+from leanstate.checkpoint.core import DTYPES, BucketedTable, layout_fields
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout

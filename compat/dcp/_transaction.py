@@ -21,9 +21,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from leanstate.checkpoint._files import publish
-from leanstate.checkpoint._load import load_all_or_nothing
-from leanstate.checkpoint._ranks import all_true, distributed, group_rank, staged_by_rank_0
+from leanstate.checkpoint.core import (
+    all_true,
+    distributed,
+    group_rank,
+    load_all_or_nothing,
+    publish,
+    staged_by_rank_0,
+)
 from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._save_planner import KVSavePlanner

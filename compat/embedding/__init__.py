@@ -29,7 +29,7 @@ from torch import nn
 from leanstate import _backends
 from leanstate._host_reads import host_read
 from leanstate._rows import copy_rows
-from leanstate.checkpoint._module_tables import ModuleTables
+from leanstate.checkpoint.core import ModuleTables
 from leanstate.embedding._bag_input import batch_summary, checked_batch
 from leanstate.embedding._collection import TableCollection
 from leanstate.embedding._config import BagConfig, bag_arguments

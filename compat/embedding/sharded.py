@@ -31,8 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from leanstate.checkpoint._bucketed_table import BucketedTable
-from leanstate.checkpoint._module_tables import ModuleTables
+from leanstate.checkpoint.core import BucketedTable, ModuleTables
 from leanstate.embedding import KVEmbeddingBag
 from leanstate.embedding._collection import TableCollection
 from leanstate.embedding._torchrec_shapes import KeyedTensor, KVTableConfig, table_configs, table_inputs

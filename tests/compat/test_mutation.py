@@ -11,7 +11,7 @@ import pytest
 from cosmic_ray.ast import ast_nodes, get_ast
 from cosmic_ray.mutating import mutate_code
 
-from leanstate._tools import mutation
+from leanstate._tools import _mutation_report, mutation
 from leanstate._tools._mutation_ops import OperatorProvider
 
 PROVIDER = OperatorProvider()
@@ -149,8 +149,8 @@ def test_the_report_counts_explains_and_names_the_killing_test(tmp_path, monkeyp
         ("RESULTS", results),
         ("REPORT", tmp_path / "MUTATION.md"),
     ]:
-        monkeypatch.setattr(mutation, name, value)
-    text = mutation.write_report().read_text()
+        monkeypatch.setattr(_mutation_report, name, value)
+    text = _mutation_report.write_report().read_text()
     row = next(line for line in text.splitlines() if line.startswith("| core | one |"))
     # 7 mutants, 6 sampled: killed 2, timeout 1, survived 2, not run 1; (2 + 1) / 5, Wilson 23.1-88.2
     assert (
@@ -173,9 +173,9 @@ def test_the_sample_is_seeded_the_whole_group_when_small_and_wilson_is_exact():
     assert len(first) == 40 and first == mutation.sample_of(list(reversed(ids)), 40, "0:core")
     assert first != mutation.sample_of(ids, 40, "1:core")
     assert mutation.sample_of(ids[:30], 40, "0:core") == set(ids[:30])
-    low, high = mutation.wilson(36, 40)
+    low, high = _mutation_report.wilson(36, 40)
     assert round(low, 4) == 0.7695 and round(high, 4) == 0.9604
-    assert mutation.wilson(0, 0) == (0.0, 1.0)
+    assert _mutation_report.wilson(0, 0) == (0.0, 1.0)
 
 
 def test_changed_lines_are_the_new_sides_hunks(tmp_path, monkeypatch):
@@ -242,11 +242,11 @@ def test_the_report_gives_the_fast_tiers_kill_rate_beside_both_tiers(tmp_path, m
             json.dumps({**base, **extra, "group": name, "mutants": mutants})
         )
     for name, value in [("CONFIG", config), ("RESULTS", results), ("REPORT", tmp_path / "MUTATION.md")]:
-        monkeypatch.setattr(mutation, name, value)
-    monkeypatch.setattr(mutation, "SURVIVORS", tmp_path / "none.toml")
+        monkeypatch.setattr(_mutation_report, name, value)
+    monkeypatch.setattr(_mutation_report, "SURVIVORS", tmp_path / "none.toml")
     rows = {
         line.split(" | ")[1]: line
-        for line in mutation.write_report().read_text().splitlines()
+        for line in _mutation_report.write_report().read_text().splitlines()
         if "| core |" in line
     }
     # both tiers: 9 of 10; the fast tier alone: 7 of 10, 20 points below
