@@ -35,6 +35,7 @@ from leanstate.checkpoint._files import (
 )
 from leanstate.checkpoint._format import (
     DTYPES,
+    EXTRA_FILE,
     MANIFEST,
     check_chunk_bytes,
     is_delta,
@@ -47,6 +48,7 @@ from leanstate.checkpoint._ranks import all_true, distributed, group_rank, stage
 
 __all__ = [
     # the files: a manifest read with its digest, staging, atomic publishing
+    "EXTRA_FILE",
     "MANIFEST",
     "checked_target",
     "publish",

@@ -10,6 +10,7 @@ import torch
 
 from leanstate.checkpoint.core import (
     DTYPES,
+    EXTRA_FILE,
     MANIFEST,
     ChunkFile,
     checked_target,
@@ -114,8 +115,8 @@ def convert(
         )
         if manifest["extra"] is not None:
             read_extra(source, manifest)  # checked first
-            name = manifest["extra"] if isinstance(manifest["extra"], str) else manifest["extra"]["file"]
-            state[NATIVE_EXTRA] = torch.frombuffer(bytearray((source / name).read_bytes()), dtype=torch.uint8)
+            data = (source / EXTRA_FILE).read_bytes()
+            state[NATIVE_EXTRA] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         save(state, checkpoint_id=target, chunk_bytes=chunk_bytes)
         return "dcp"
     metadata = SafeFileSystemReader(source).read_metadata()
@@ -153,10 +154,6 @@ def convert(
                 "extra": None,
             }
         if carried[NATIVE_EXTRA] is not None:
-            extra = saved["extra"]
-            write_synced(
-                staging / (extra if isinstance(extra, str) else extra["file"]),
-                bytes(state[NATIVE_EXTRA].numpy()),
-            )
+            write_synced(staging / EXTRA_FILE, bytes(state[NATIVE_EXTRA].numpy()))
         publish(staging, target, manifest=manifest)
     return "native"
