@@ -1,8 +1,9 @@
 """What the accelerated store engines share for change tracking (``spec/kv_store.md``,
-"Change tracking"): the epoch counter and the log of removed ids, and a per-block array
-that grows in place beside a memory-mapped row pool. Each engine stamps its own blocks
-with the epoch of their last write (in its own kernels or tensor ops) and finds the
-written ids with its own table scan; what is common is here, so no engine imports another.
+"Change tracking"): the policy itself (``ChangeTracking``, written once), the epoch counter
+and the log of removed ids, and a per-block array that grows in place beside a
+memory-mapped row pool. Each engine stamps its own blocks with the epoch of their last
+write (in its own kernels or tensor ops) and finds the written ids with its own table
+scan; what is common is here, so no engine imports another.
 """
 
 from __future__ import annotations
@@ -84,3 +85,50 @@ class MappedArray:
 
     def nbytes(self) -> int:
         return len(self._map)
+
+
+class ChangeTracking:
+    """Change tracking for a store engine, over its two hooks: the epoch stamp of each
+    block's last write, read by ``_written_since(mark)`` (the present ids stamped after
+    ``mark``, ascending, on the engine's device), and the removal log kept here, fed by
+    :meth:`_removed`. The engine calls :meth:`_start_tracking` in its constructor, stamps
+    ``_epoch()`` on every write, and provides ``reading()``, ``writing()`` and ``locate``.
+    """
+
+    MAX_EPOCH = 2**63 - 1  # the largest epoch its stamps hold
+
+    def _start_tracking(self) -> None:
+        self.tracking = True
+        self._log = ChangeLog()
+
+    def _epoch(self) -> int:
+        """The epoch a write now stamps; 0 (no stamp) when tracking is off."""
+        return self._log.epoch if self.tracking else 0
+
+    def _removed(self, ids: torch.Tensor) -> None:
+        """``ids`` (distinct) were just removed; call with the write lock held."""
+        if self.tracking:
+            self._log.record(ids)
+
+    def new_epoch(self) -> int:
+        """End the current epoch; its number. Later changes belong to the next one."""
+        with self.writing():
+            if self._log.epoch >= self.MAX_EPOCH:
+                raise OverflowError(
+                    f"the {self.backend} store stamps epochs up to {self.MAX_EPOCH}: no epoch can follow"
+                )
+            return self._log.new_epoch()
+
+    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(written, removed)`` after epoch ``mark``, each ascending, on the CPU: present ids
+        whose block was stamped later, and absent ids removed later. One snapshot under the lock."""
+        with self.reading():
+            written = self._written_since(mark)
+            removed = self._log.removed_since(mark, written.device)
+            removed = removed[self.locate(removed) == -1]
+        return written.cpu(), removed.cpu()
+
+    def forget(self, mark: int) -> None:
+        """Drop the removals of epochs ``<= mark``."""
+        with self.writing():
+            self._log.forget(mark)

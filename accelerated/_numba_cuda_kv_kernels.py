@@ -21,7 +21,6 @@ if SIMULATED:  # the simulator runs kernels as Python: uint64 wrap-around warns 
 
 EMPTY, TOMBSTONE = -1, -2  # table slots; ids are non-negative, so no id is mistaken for either
 USED = np.int64(-(2**63))
-STAMP_BITS = np.int64(0xFFFFFFFF)
 COUNT_MAX64 = np.int64(COUNT_MAX)
 MIN_SLOTS = 16 if SIMULATED else 1024  # the simulator runs one Python thread per slot
 U64 = np.uint64
@@ -256,18 +255,3 @@ def k_metadata(words, blocks, out):
     i = cuda.grid(1)
     if i < blocks.shape[0]:
         out[i] = words[blocks[i], 1] if blocks[i] >= 0 else 0
-
-
-@cuda.jit(cache=True)
-def k_doomed(words, blocks, min_count, max_age_s, now, norms, min_l2_norm, doomed):
-    """The eviction rules of ``spec/kv_store.md`` per live row (a threshold < 0 is off)."""
-    i = cuda.grid(1)
-    if i >= blocks.shape[0]:
-        return
-    meta = words[blocks[i], 1]
-    stamp, count = meta & STAMP_BITS, (meta >> 32) & COUNT_MAX64
-    doomed[i] = (
-        (min_count >= 0 and count < min_count)
-        or (max_age_s >= 0 and now - stamp > max_age_s)
-        or (min_l2_norm >= 0 and norms[i] < min_l2_norm)
-    )

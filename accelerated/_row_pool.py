@@ -1,6 +1,7 @@
 """What the store engines share: the growing row pool (the memory-mapped one of the numba
-engine and of ``RowPool`` on the CPU, and ``RowPool``'s tensor on a GPU) and the batch
-deduplication (last occurrence wins), so no engine imports another."""
+engine and of ``RowPool`` on the CPU, and ``RowPool``'s tensor on a GPU), whole-row access
+to a pool held as one tensor, and the batch deduplication (last occurrence wins), so no
+engine imports another."""
 
 from __future__ import annotations
 
@@ -94,6 +95,19 @@ class MappedRows:
         """Ask for huge pages (2 MiB faults instead of 4 KiB) where the system has them."""
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.map.madvise(mmap.MADV_HUGEPAGE)
+
+
+class TensorRows:
+    """``read_blocks`` and ``write_blocks`` of the row-access interface (``spec/backends.md``)
+    for an engine whose ``rows`` is its pool as one indexable tensor."""
+
+    def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole rows (a copy) of present blocks."""
+        return self.rows.index_select(0, blocks)
+
+    def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows written at present, distinct blocks."""
+        self.rows.index_copy_(0, blocks, rows)
 
 
 class RowPool:

@@ -46,12 +46,13 @@ import torch
 
 from leanstate._host_reads import host_read
 from leanstate.accelerated import _numba_cuda_kv_kernels as kernels
-from leanstate.accelerated._change_log import ChangeLog
+from leanstate.accelerated._change_log import ChangeTracking
+from leanstate.accelerated._eviction import Eviction
 from leanstate.accelerated._numba_cuda_runtime import SIMULATED, launch
 from leanstate.accelerated._numba_cuda_runtime import unavailable as unavailable  # the registry asks here
 from leanstate.accelerated._row_pool import RowPool, last_occurrences
 from leanstate.reference.hashing import SPLITMIX_GOLDEN, SPLITMIX_MIX1, SPLITMIX_MIX2
-from leanstate.reference.row_format import COUNT_MAX, RowLayout
+from leanstate.reference.row_format import RowLayout
 
 DEVICES = ("cpu",) if SIMULATED else ("cuda",)
 AUTO_PRIORITY = {"cuda": 25}  # after the torch engine until the GPU bench says otherwise
@@ -65,7 +66,7 @@ def elements(t: torch.Tensor) -> torch.Tensor:
     return t.view(_ELEMENTS[t.element_size()])
 
 
-class KVStoreEngine:
+class KVStoreEngine(ChangeTracking, Eviction):
     """The numba-cuda store engine; see the module docstring and ``spec/backends.md``.
 
     Args:
@@ -104,8 +105,7 @@ class KVStoreEngine:
             np.float32(low),
         )
         self._initial = (layout.weight_offset, layout.dim, *self.initial_scalars, kernels.KINDS[layout.dtype])
-        self.tracking = True  # each block's epoch of last write in the pool's stamps; removals logged
-        self._log = ChangeLog()
+        self._start_tracking()  # each block's epoch of last write in the pool's stamps; removals logged
 
     def __len__(self) -> int:
         return self._rows
@@ -154,10 +154,17 @@ class KVStoreEngine:
         )
         return keys, blocks
 
-    def _sorted_live(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _live_sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending, their blocks): a hook of change tracking and eviction."""
         keys, blocks = self._live()
         keys, order = torch.sort(keys)
         return keys, blocks[order]
+
+    def _written_since(self, mark: int) -> torch.Tensor:
+        """Present ids whose block was stamped after epoch ``mark``, ascending: a hook of
+        change tracking."""
+        keys, blocks = self._live_sorted()
+        return keys[self._pool.stamps[blocks] > mark]
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
@@ -259,7 +266,7 @@ class KVStoreEngine:
     def keys(self) -> torch.Tensor:
         """Every id, ascending."""
         with self.lock:
-            return self._sorted_live()[0]
+            return self._live_sorted()[0]
 
     # -- writes ----------------------------------------------------------------------
 
@@ -290,8 +297,7 @@ class KVStoreEngine:
         launch(kernels.k_remove, len(keys), self._table_keys, self._table_blocks, self.rows.view(torch.int64),
                keys, freed, gone, removed)  # fmt: skip
         count = host_read(int, removed[0])
-        if self.tracking:
-            self._log.record(gone[:count].clone())
+        self._removed(gone[:count].clone())
         # the threads listed the freed blocks in any order: sorted, reuse is the same every run
         self._pool.release(torch.sort(freed[:count]).values)
         self._tombstones += count
@@ -303,68 +309,6 @@ class KVStoreEngine:
         unique = host_read(torch.unique, ids)
         with self.lock:
             return self._remove(unique[host_read(int, (unique < 0).sum()) :])  # negatives sort first
-
-    def evict(
-        self,
-        *,
-        min_count: int | None,
-        max_age_s: int | None,
-        min_l2_norm: float | None,
-        max_rows: int | None,
-        now: int,
-    ) -> torch.Tensor:
-        """Decide and delete under the lock: atomic with respect to every other call."""
-        layout = self.layout
-        with self.lock:
-            keys, blocks = self._sorted_live()
-            words = self.rows.view(torch.int64)
-            if min_l2_norm is not None:
-                weights = self.read_blocks(blocks)[
-                    :, layout.weight_offset : layout.weight_offset + layout.dim
-                ]
-                norms = torch.linalg.vector_norm(weights.float(), dim=1)  # torch's norm, as every engine
-            else:
-                norms = torch.zeros(len(keys), device=self.device)
-            doomed = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
-            launch(
-                kernels.k_doomed, len(keys), words, blocks, -1 if min_count is None else min_count,
-                -1 if max_age_s is None else max_age_s, now, norms,
-                np.float32(-1.0 if min_l2_norm is None else min_l2_norm), doomed,
-            )  # fmt: skip
-            if max_rows is not None:
-                survivors = host_read(torch.nonzero, ~doomed).flatten()
-                excess = len(survivors) - max_rows
-                if excess > 0:  # fewest writes, then oldest, then smallest id (keys ascend)
-                    meta = words[blocks[survivors], 1]
-                    stamps, counts = meta & 0xFFFFFFFF, (meta >> 32) & COUNT_MAX
-                    by_stamp = torch.argsort(stamps, stable=True)
-                    ranked = by_stamp[torch.argsort(counts[by_stamp], stable=True)]
-                    doomed[survivors[ranked[:excess]]] = True
-            victims = host_read(torch.masked_select, keys, doomed)
-            self._remove(victims)
-            return victims
-
-    # -- change tracking (spec/kv_store.md) ---------------------------------------------
-
-    def new_epoch(self) -> int:
-        """End the current epoch; its number. Later changes belong to the next one."""
-        with self.lock:
-            return self._log.new_epoch()
-
-    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(written, removed)`` after epoch ``mark``, ascending, on the CPU: present ids whose
-        block was stamped later, and absent ids removed later. One snapshot under the lock."""
-        with self.lock:
-            keys, blocks = self._sorted_live()
-            written = keys[self._pool.stamps[blocks] > mark]
-            removed = self._log.removed_since(mark, self.device)
-            removed = removed[self._lookup(removed) == -1]
-        return written.cpu(), removed.cpu()
-
-    def forget(self, mark: int) -> None:
-        """Drop the removals of epochs ``<= mark``."""
-        with self.lock:
-            self._log.forget(mark)
 
 
 def _host_splitmix64(seed: int) -> np.uint64:

@@ -26,8 +26,9 @@ import torch
 from numba import njit, prange
 
 from leanstate.accelerated import _host_buffers
+from leanstate.accelerated._numba_runtime import use_threads
 from leanstate.accelerated._widened_rows import WidenedRows
-from leanstate.accelerated.numba_kv_store import KVStoreEngine, use_threads
+from leanstate.accelerated.numba_kv_store import KVStoreEngine
 from leanstate.reference.row_format import COUNT_MAX
 
 DEVICES = ("cpu",)

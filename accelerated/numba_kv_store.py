@@ -21,6 +21,11 @@ hash constants with the reference. The store keeps
 - for change tracking, an int32 epoch per block (stamped by the kernels that write the
   rows, mapped and grown in place with the pool) and a log of the removed ids by epoch.
 
+What every accelerated engine does alike is mixed in, written once: change tracking
+(``_change_log.ChangeTracking``) and eviction (``_eviction.Eviction``) over this engine's
+hooks, whole-row access to the pool (``_row_pool.TensorRows``); loads that read rows
+straight into the pool, a capability only this engine has, are ``_numba_kv_in_place``'s.
+
 Kernels move rows as raw words (int64 for headers and whole rows, the element width
 for columns), so they never depend on the row dtype. Duplicates in one ``set`` are
 resolved without scratch memory: a backward pass marks each row's last writer by
@@ -37,20 +42,18 @@ Example::
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
-import numba
 import numpy as np
 import torch
 
 from leanstate.accelerated import _host_buffers
 from leanstate.accelerated import _numba_kv_kernels as kernels
-from leanstate.accelerated._change_log import ChangeLog
-from leanstate.accelerated._row_pool import POOL_STEP_ROWS, MappedRows
-from leanstate.reference.row_format import COUNT_MAX, RowLayout
+from leanstate.accelerated._change_log import ChangeTracking
+from leanstate.accelerated._eviction import Eviction
+from leanstate.accelerated._numba_kv_in_place import RowsReadInPlace
+from leanstate.accelerated._numba_runtime import ReadersWriterLock, use_threads
+from leanstate.accelerated._row_pool import POOL_STEP_ROWS, MappedRows, TensorRows
+from leanstate.reference.row_format import RowLayout
 
-_HUGE_PAGE_RESERVE_BYTES = 64 * 2**20
 _HEADROOM_DIVISOR = 12  # rows faulted in ahead of need: at most 1/12 of the pool (memory <= 1.1x rows)
 _MIN_SLOTS = 16
 
@@ -69,83 +72,10 @@ BENCH_TARGETS = {
 }
 
 
-# -- threads -----------------------------------------------------------------------------
-
-SERIAL_BELOW = 2**21
-"""Elements moved by one call (ids x row columns) below which its kernels run on one thread.
-
-Measured on 2 cores with a second CPU-bound process running: a parallel region waits for
-its slowest thread, and a thread that lost its core costs a scheduler slice, so a 256 x 20
-embedding step took 6.4 ms on 2 threads against 2.0 ms on one. Alone, 2 threads gain
-little below this size (16,384 ids x 128: 1.8 ms serial, 1.3 ms parallel).
-"""
-
-
-_pool_started = False
-
-
-def use_threads(work: int) -> None:
-    """Set this thread's numba thread count for a call that moves ``work`` elements: one
-    below ``SERIAL_BELOW``, else ``torch.get_num_threads()`` (so ``OMP_NUM_THREADS``,
-    ``torch.set_num_threads`` and torchrun's setting apply), capped by numba's pool."""
-    global _pool_started
-    if not _pool_started:
-        # Starting numba's OpenMP pool sets the OpenMP thread count of the whole process,
-        # torch's included (it reached torch's libgomp here): torch.set_num_threads(1)
-        # silently became 2, and 2 ranks on 2 cores spun 4 threads (3.7x the CPU per
-        # lookup of 1 rank). Put torch's own setting back.
-        wanted = torch.get_num_threads()
-        numba.get_num_threads()
-        torch.set_num_threads(wanted)
-        _pool_started = True
-    threads = 1 if work < SERIAL_BELOW else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-
-
 # -- the engine --------------------------------------------------------------------------
 
 
-class _ReadersWriterLock:
-    """Many readers or one writer; a waiting writer holds back new readers."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writing = False
-        self._writers_waiting = 0
-
-    @contextmanager
-    def reading(self):
-        with self._cond:
-            while self._writing or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def writing(self):
-        with self._cond:
-            self._writers_waiting += 1
-            while self._writing or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
-            self._writing = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
-class KVStoreEngine:
+class KVStoreEngine(ChangeTracking, Eviction, TensorRows, RowsReadInPlace):
     """The numba store engine; see the module docstring and ``spec/backends.md``.
 
     Args:
@@ -158,6 +88,7 @@ class KVStoreEngine:
     """
 
     backend = "numba"
+    MAX_EPOCH = np.iinfo(np.int32).max  # the blocks' stamps are int32: 4 bytes a row
 
     def __init__(
         self,
@@ -172,7 +103,7 @@ class KVStoreEngine:
         self.num_shards = num_shards
         self.init_range = init_range
         self.seed = seed
-        self.lock = _ReadersWriterLock()
+        self.lock = ReadersWriterLock()
         self._words_per_row = layout.row_bytes // 8
         self.table_keys = np.full(_MIN_SLOTS, kernels.EMPTY, dtype=np.int64)
         self.table_blocks = np.zeros(_MIN_SLOTS, dtype=np.int32)
@@ -184,8 +115,7 @@ class KVStoreEngine:
         # the rows, and for change tracking each block's epoch of last write (int32: 4 bytes a row)
         self._mapped = MappedRows(layout, torch.int32)
         self._faulted_to = 0  # pool rows below this were handed out or faulted in ahead
-        self.tracking = True
-        self._log = ChangeLog()  # the removals by epoch
+        self._start_tracking()
         self._view_pool()
 
     def _view_pool(self) -> None:
@@ -231,11 +161,6 @@ class KVStoreEngine:
                 self._mapped.populate_behind(max(self._faulted_to, rows_needed))
                 self._faulted_to = self._mapped.capacity
 
-    def _huge_pages_for(self, rows: int) -> None:
-        """Ask for huge pages when ``rows`` is a bulk reservation (64 MiB or more)."""
-        if rows * self.layout.row_bytes >= _HUGE_PAGE_RESERVE_BYTES:
-            self._mapped.use_huge_pages()
-
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows now: one table rebuild, and the pool rows mapped and
         faulted in, so the inserts that follow write to memory that is already there.
@@ -252,52 +177,6 @@ class KVStoreEngine:
             last = first + max(0, rows - self.free_top)
             self._mapped.populate(first, last, touch=True)
             self._faulted_to = max(self._faulted_to, last)
-
-    # -- rows read in place (a checkpoint load; call with the write lock held) --------
-
-    def claim(self, rows: int) -> int:
-        """The first of ``rows`` fresh, zero blocks now owned by the caller: in no table,
-        on no free list, mapped but not faulted in (the caller's ``readinto`` faults them,
-        on huge pages for a bulk claim). Write whole rows there through ``rows``, then
-        :meth:`adopt` them or :meth:`abandon` them."""
-        self._reserve(rows + self.free_top, ahead=False)
-        self._huge_pages_for(rows)
-        first = self.handed_out
-        self.handed_out += rows
-        return first
-
-    def adopt(self, first: int, count: int) -> None:
-        """Index claimed blocks ``[first, first + count)`` by the keys in their headers, as
-        ``set_rows`` of those rows would (timestamp and count kept, ``used`` set, a later
-        row wins over a present one). A negative key raises ``ValueError`` and adopts none.
-        The table was sized for them by :meth:`claim`; nothing here moves the pool."""
-        self._free_room(count)
-        added, reused, self.free_top = kernels.adopt(
-            self.table_keys, self.table_blocks, self.words, first, count, self.free, self.free_top,
-            self._mapped.stamps.numpy(), self._epoch(),
-        )  # fmt: skip
-        if added < 0:
-            bad = -1 - added
-            raise ValueError(
-                f"row {first + bad} read in place has a negative key {int(self.words[first + bad, 0])}"
-            )
-        self.size += added
-        self.dead -= reused
-
-    def fault_in(self, first: int, count: int) -> None:
-        """Fault in the pages of blocks ``[first, first + count)`` (no byte changes: safe
-        beside a thread writing them)."""
-        self._mapped.populate(first, first + count)
-
-    def abandon(self, first: int, count: int) -> None:
-        """Give back claimed blocks ``[first, first + count)`` never adopted: zeroed, freed."""
-        kernels.zero_rows(self.words, first, count)
-        if first + count == self.handed_out:
-            self.handed_out = first
-            return
-        self._free_room(count)
-        self.free[self.free_top : self.free_top + count] = np.arange(first + count - 1, first - 1, -1)
-        self.free_top += count
 
     def _free_room(self, count: int) -> None:
         """Room on the free list for ``count`` more blocks."""
@@ -353,14 +232,6 @@ class KVStoreEngine:
             kernels.stamp_blocks(self._mapped.stamps.numpy(), blocks, self._log.epoch)
         return torch.from_numpy(blocks)
 
-    def read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Whole rows (a copy) of present blocks."""
-        return self.pool.index_select(0, blocks)
-
-    def write_blocks(self, blocks: torch.Tensor, rows: torch.Tensor) -> None:
-        """Whole rows written at present, distinct blocks."""
-        self.pool.index_copy_(0, blocks, rows)
-
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Whole rows of missing ids: header (key, metadata 0), initial weights, zero state."""
         layout = self.layout
@@ -386,14 +257,8 @@ class KVStoreEngine:
         if initial and width:
             missing = torch.from_numpy(np.flatnonzero(blocks == -1))
             if len(missing):
-                self._initial_columns(ids[missing], out, missing, start)
+                out[missing] = self.initial_rows(ids[missing])[:, start : start + width]
         return out
-
-    def _initial_columns(
-        self, ids: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, start: int
-    ) -> None:
-        """Columns ``[start, start + width)`` of the initial rows of ``ids`` into ``out[positions]``."""
-        out[positions] = self.initial_rows(ids)[:, start : start + out.shape[1]]
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         use_threads(len(ids))
@@ -411,11 +276,20 @@ class KVStoreEngine:
             keys, _ = kernels.live(self.table_keys, self.table_blocks, self.size)
         return torch.from_numpy(np.sort(keys))  # numpy's vectorised sort: 20 ms for 1M keys, torch's 55
 
-    def _live_sorted(self) -> tuple[torch.Tensor, np.ndarray]:
-        """(ids ascending, their blocks); call with the lock held."""
+    # -- the hooks of change tracking and eviction (call them with the lock held) ---
+
+    def _live_sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending, their blocks)."""
         keys, blocks = kernels.live(self.table_keys, self.table_blocks, self.size)
         order = np.argsort(keys, kind="stable")
-        return torch.from_numpy(keys[order]), blocks[order]
+        return torch.from_numpy(keys[order]), torch.from_numpy(blocks[order].astype(np.int64))
+
+    def _written_since(self, mark: int) -> torch.Tensor:
+        """Present ids whose block was stamped after epoch ``mark``, ascending."""
+        stamps = self._mapped.stamps.numpy()
+        return torch.from_numpy(
+            np.sort(kernels.written_since(self.table_keys, self.table_blocks, stamps, mark))
+        )
 
     # -- writes --------------------------------------------------------------------
 
@@ -473,85 +347,16 @@ class KVStoreEngine:
 
     def delete(self, ids: torch.Tensor) -> int:
         with self.lock.writing():
-            return self._delete(ids.numpy())
+            return self._remove(ids)
 
-    def _delete(self, ids: np.ndarray) -> int:
+    def _remove(self, ids: torch.Tensor) -> int:
+        """Delete ``ids`` (missing and negative ones ignored); how many were present."""
         self._free_room(len(ids))
         gone = np.empty(len(ids), dtype=np.int64)
         removed, self.free_top = kernels.remove(
-            self.table_keys, self.table_blocks, self.words, ids, self.free, self.free_top, gone
+            self.table_keys, self.table_blocks, self.words, ids.numpy(), self.free, self.free_top, gone
         )
         self.size -= removed
         self.dead += removed
-        if self.tracking:
-            self._log.record(torch.from_numpy(gone[:removed].copy()))
+        self._removed(torch.from_numpy(gone[:removed].copy()))
         return removed
-
-    # -- change tracking (spec/kv_store.md) -------------------------------------------
-
-    def _epoch(self) -> int:
-        """The epoch a write now stamps; 0 (no stamp) when tracking is off."""
-        return self._log.epoch if self.tracking else 0
-
-    def new_epoch(self) -> int:
-        """End the current epoch; its number. Later changes belong to the next one."""
-        with self.lock.writing():
-            if self._log.epoch >= np.iinfo(np.int32).max:
-                raise OverflowError("the numba store stamps epochs as int32: 2**31 - 1 epochs at most")
-            return self._log.new_epoch()
-
-    def changes_since(self, mark: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(written, removed)`` after epoch ``mark``, each ascending: present ids whose block
-        was stamped later, and absent ids removed later. One snapshot under the lock."""
-        with self.lock.reading():
-            written = np.sort(
-                kernels.written_since(self.table_keys, self.table_blocks, self._mapped.stamps.numpy(), mark)
-            )
-            removed = self._log.removed_since(mark, torch.device("cpu"))
-            absent = kernels.lookup(self.table_keys, self.table_blocks, removed.numpy()) == -1
-        return torch.from_numpy(written), removed[torch.from_numpy(absent)]
-
-    def forget(self, mark: int) -> None:
-        """Drop the removals of epochs ``<= mark``."""
-        with self.lock.writing():
-            self._log.forget(mark)
-
-    # -- eviction ------------------------------------------------------------------
-
-    def evict(
-        self,
-        *,
-        min_count: int | None,
-        max_age_s: int | None,
-        min_l2_norm: float | None,
-        max_rows: int | None,
-        now: int,
-    ) -> torch.Tensor:
-        """Decide and delete under the write lock: atomic with respect to every other call."""
-        layout = self.layout
-        with self.lock.writing():
-            keys, blocks = self._live_sorted()
-            meta = torch.from_numpy(self.words[blocks, 1])
-            stamp, count = meta & 0xFFFFFFFF, (meta >> 32) & COUNT_MAX
-            doomed = torch.zeros(len(keys), dtype=torch.bool)
-            if min_count is not None:
-                doomed |= count < min_count
-            if max_age_s is not None:
-                doomed |= (now - stamp) > max_age_s
-            if min_l2_norm is not None:
-                weights = self.pool[
-                    torch.from_numpy(blocks), layout.weight_offset : layout.weight_offset + layout.dim
-                ]
-                doomed |= torch.linalg.vector_norm(weights.float(), dim=1) < min_l2_norm
-            if max_rows is not None:
-                survivors = torch.nonzero(~doomed).flatten()
-                excess = len(survivors) - max_rows
-                if excess > 0:
-                    # lexsort: the last key is the primary one (count, then stamp, then id)
-                    order = np.lexsort(
-                        (keys[survivors].numpy(), stamp[survivors].numpy(), count[survivors].numpy())
-                    )
-                    doomed[survivors[torch.from_numpy(order[:excess])]] = True
-            victims = keys[doomed]
-            self._delete(victims.numpy())
-        return victims

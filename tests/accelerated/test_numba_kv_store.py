@@ -191,7 +191,7 @@ def test_every_write_takes_the_write_lock_and_every_read_the_read_lock():
 def test_kernels_run_serially_when_small_and_follow_torch_threads_when_large():
     import numba
 
-    from leanstate.accelerated.numba_kv_store import SERIAL_BELOW
+    from leanstate.accelerated._numba_runtime import SERIAL_BELOW
 
     store = KVStore(128, optimizer_state_dim=1, backend="numba")
     small = torch.arange(8)

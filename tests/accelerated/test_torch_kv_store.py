@@ -77,14 +77,17 @@ def test_a_fresh_load_into_a_torch_store_holds_the_table_and_about_a_slice(tmp_p
 
 
 def test_runs_of_colliding_ids_longer_than_a_probe_window_are_found_and_placed():
-    from leanstate.accelerated.torch_kv_store import _WINDOW
+    from leanstate.accelerated._torch_id_table import _WINDOW, splitmix64
+
+    def home(keys, capacity):
+        return splitmix64(keys) & (capacity - 1)
 
     clock = FakeClock(100)
     stores = {name: KVStore(4, backend=name, clock=clock) for name in ("reference", "torch")}
-    engine = stores["torch"].engine
-    capacity = len(engine._table_keys)
+    table = stores["torch"].engine._table
+    capacity = len(table.keys)
     candidates = torch.arange(200_000)
-    homes = engine._home(candidates, capacity)
+    homes = home(candidates, capacity)
     # 5 windows' worth of ids sharing one home, and as many sharing the next slots
     crowded = torch.cat([candidates[homes == h][: 5 * _WINDOW // 2] for h in (7, 8)])
     assert len(crowded) == 5 * _WINDOW
@@ -98,10 +101,10 @@ def test_runs_of_colliding_ids_longer_than_a_probe_window_are_found_and_placed()
     assert same_bits(mine.get(probe), reference.get(probe))
     assert torch.equal(mine.keys(), reference.keys())
     # every live key sits in its home's run: no empty slot between its home and its slot
-    keys = engine._table_keys
-    slots = engine._probe(mine.keys())[0]
+    keys = table.keys
+    slots = table.probe(mine.keys())[0]
     assert bool((slots >= 0).all())
     for key, slot in zip(mine.keys().tolist(), slots.tolist(), strict=True):
-        home = int(engine._home(torch.tensor([key]), capacity))
-        path = torch.arange(home, home + (slot - home) % capacity + 1) % capacity
+        start = int(home(torch.tensor([key]), capacity))
+        path = torch.arange(start, start + (slot - start) % capacity + 1) % capacity
         assert bool((keys[path] != -1).all())
