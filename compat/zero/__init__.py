@@ -2,7 +2,7 @@
 
 The textbook is ``leanstate.reference.zero`` (partition, local step, one broadcast per
 parameter, gather, renumber); this is its hardened, faster form, held to it by the
-differential scenarios of ``tests/compat/test_zero.py`` (bit-identical parameters and
+differential scenarios of ``tests/compat/zero/test_zero.py`` (bit-identical parameters and
 state dicts), with bucket views, asynchronous and overlapped broadcasts, point-to-point
 consolidation (``leanstate.zero._consolidation``), trainability changes, clipping and
 ``Join``. The partition and the state-dict renumbering are the textbook's own pure

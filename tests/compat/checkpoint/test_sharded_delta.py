@@ -442,7 +442,7 @@ def test_a_version_1_base_is_refused(folder, tmp_path, group):
 @pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3x2"])
 def test_a_chain_compacts_to_a_full_checkpoint_of_its_union(runs, folder, tmp_path, group, name):
     """At the head's world size (s3x2: links of 3 ranks and of 2, compacted at 2); loaded
-    at world 1 it is the union (byte identity: tests/compat/test_sharded_compaction.py)."""
+    at world 1 it is the union (byte identity: tests/compat/checkpoint/test_sharded_compaction.py)."""
     from leanstate import compact_checkpoint
 
     out = compact_checkpoint(folder / name / HEAD, tmp_path / "full", chunk_bytes=CHUNK)

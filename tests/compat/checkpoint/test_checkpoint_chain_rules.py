@@ -483,7 +483,7 @@ def test_removing_an_id_no_link_holds_is_accepted_and_changes_nothing(tmp_path):
 
 # -- the golden damaged chains -------------------------------------------------------------------
 
-VECTORS = Path(__file__).parents[2] / "spec" / "vectors"
+VECTORS = Path(__file__).parents[3] / "spec" / "vectors"
 GOLDEN = json.loads((VECTORS / "delta_v1_damaged.json").read_text())
 
 

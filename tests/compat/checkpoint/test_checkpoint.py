@@ -23,7 +23,7 @@ from leanstate.reference.row_format import header_words
 from leanstate.reference.sharding import row_wise_id_range
 from tests.harness import VECTORS, FakeClock, run_probe
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def filled(n=300, dim=6, state=2, dtype=torch.float32, **kwargs):

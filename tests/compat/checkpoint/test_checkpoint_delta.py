@@ -505,7 +505,7 @@ def test_compaction_refuses_to_write_over_a_link(chain):
 
 # -- held to the textbook ---------------------------------------------------------------------
 
-VECTOR = Path(__file__).parents[2] / "spec" / "vectors" / "delta_v1"
+VECTOR = Path(__file__).parents[3] / "spec" / "vectors" / "delta_v1"
 
 
 def test_the_golden_vector_loads_and_compacts_byte_for_byte(tmp_path):
