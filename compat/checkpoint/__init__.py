@@ -17,6 +17,7 @@ of one backend loads bit for bit into a store of any other, on any device.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -152,7 +153,9 @@ def save_checkpoint(
             manifest["extra"] = write_extra(staging, extra_bytes)
         data = json.dumps(manifest, indent=1).encode()
         publish(staging, path, manifest=data)
-    chain.set_marks(whole, epochs, data)
+    chain.set_marks(
+        [t.store for t in whole.values()], hashlib.sha256(data).hexdigest(), list(epochs.values())
+    )
     return path
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ from leanstate.checkpoint._format import (
     is_delta,
     table_entry,
 )
-from leanstate.checkpoint._load import apply_tables, load_all_or_nothing
+from leanstate.checkpoint._load import apply_tables, load_all_or_nothing, verify_table
 from leanstate.checkpoint._merge import LinkTable, apply_merge, merged, write_removed
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
@@ -179,6 +180,81 @@ def chain_parts(links: list[Link], name: str, store: SupportsRows | None, id_ran
 # -- load ---------------------------------------------------------------------------------
 
 
+@dataclass
+class ChainTable:
+    """One table of a chain load: its store, what each link gives it (oldest link first),
+    which rows of a slice the load applies (``keep``: an id range, the rows a rank owns;
+    None: all) and ``progress(chunk, done)`` after each chunk of the full link applied."""
+
+    store: SupportsRows
+    parts: list[LinkTable]
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None
+    progress: Callable[[dict, int], None] | None = None
+
+
+class ChainLoad:
+    """The load of one chain (head first; a full checkpoint is a chain of one link) into
+    one owner's tables, for :func:`load_all_or_nothing` to run: :meth:`verify` reads and
+    checks everything, :meth:`apply` applies it. Version 1 is the one-owner case
+    (:func:`load_chain`); the version-2 load (``sharded.load_sharded``) builds each rank's
+    tables (the chunks and removals of the buckets it owns) and runs it across ranks.
+
+    ``stats``: bytes and chunks read (by the verify pass of a single link, then by the
+    pass that applies) and rows loaded."""
+
+    def __init__(self, links: list[Link], tables: list[ChainTable], slice_bytes: int) -> None:
+        self.links, self.tables, self.slice_bytes = links, tables, slice_bytes
+        self.stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
+        self._counting = threading.Lock()
+
+    def _counted(self, read: TableRead, progress: Callable | None = None) -> Callable:
+        def counted(chunk: dict, *done) -> None:
+            with self._counting:  # the chunks of tables read in place arrive from threads
+                self.stats["chunks_read"] += 1
+                self.stats["bytes_read"] += chunk["rows"] * read.row_bytes
+            if progress is not None:
+                progress(chunk, *done)
+
+        return counted
+
+    def verify(self) -> None:
+        """Read and check every chunk and removed-id file the load would apply; apply nothing."""
+        for table in self.tables:
+            if len(table.parts) == 1:
+                full = table.parts[0]
+                verify_table(full.path, full.read, self.slice_bytes, self._counted(full.read))
+            else:
+                for _ in merged(table.parts, self.slice_bytes, in_order=False):  # checked, not kept
+                    pass
+
+    def apply(self, into_empty: bool) -> None:
+        """Into empty stores (or with no deltas) the full link loads as a full load reads it
+        (in place where the store can), and the deltas' merge goes on top, removals deleted;
+        into live stores the whole chain's rows are upserted and its removals leave the
+        store's own rows alone (the chain loads as its compaction would)."""
+        self.stats.update(dict.fromkeys(self.stats, 0))  # the figures of the pass that applies
+        chain = len(self.links) > 1
+        if into_empty or not chain:
+            full = [
+                (t.parts[0].read, t.store, t.keep, self._counted(t.parts[0].read, t.progress))
+                for t in self.tables
+            ]
+            rows = apply_tables(
+                self.links[-1].path, full, into_empty=into_empty, slice_bytes=self.slice_bytes
+            )
+            self.stats["rows_loaded"] = sum(rows)
+        if chain:
+            for table in self.tables:
+                merging = table.parts[1:] if into_empty else table.parts
+                for part in merging:  # counted as planned: the merge reads every chunk listed
+                    counted = self._counted(part.read)
+                    for _, chunk in (c for piece in part.read.files for c in piece.chunks):
+                        counted(chunk)
+                self.stats["rows_loaded"] += apply_merge(
+                    table.store, merging, keep=table.keep, delete=into_empty, slice_bytes=self.slice_bytes
+                )
+
+
 def load_chain(
     links: list[Link],
     targets: list[Target],
@@ -190,8 +266,9 @@ def load_chain(
 ) -> dict[str, object]:
     """Load the chain ``links`` (head first) into ``targets``; the head's extra state."""
     head = links[0]
-    plan: list[tuple[Target, list[LinkTable]]] = []
+    tables: list[ChainTable] = []
     views = []
+    keep = None if id_range is None else (lambda ids: in_range(ids, id_range))
     for target in targets:
         if target.view is not None and target.view.read_only:
             views.append(target)
@@ -201,41 +278,20 @@ def load_chain(
                 f"{method}: tables[{target.name!r}] is a writable partial view; load whole rows into "
                 "the store, a whole-row KVTensor, or pass the view read-only"
             )
-        plan.append((target, chain_parts(links, target.name, target.store, id_range)))
+        parts = chain_parts(links, target.name, target.store, id_range)
+        report = None if progress is None else _reporter(progress, target.name, parts)
+        tables.append(ChainTable(target.store, parts, keep, report))
     extra = chain_extra(links)  # every link's checked before any row is applied
-    slice_bytes = min(chunk_bytes, SLICE_BYTES)
-    keep = None if id_range is None else (lambda ids: in_range(ids, id_range))
-
-    def verify() -> None:
-        for _, parts in plan:
-            for _ in merged(parts, slice_bytes, in_order=False):  # checked, not kept: no ordered copy
-                pass
+    load = ChainLoad(links, tables, min(chunk_bytes, SLICE_BYTES))
 
     def apply(into_empty: bool) -> None:
-        chain = len(links) > 1
-        if into_empty or not chain:  # the full link as a full load reads it (in place when empty)
-            tables = []
-            for target, parts in plan:
-                report = None if progress is None else _reporter(progress, target.name, parts)
-                tables.append((parts[0].read, target.store, keep, report))
-            apply_tables(links[-1].path, tables, into_empty=into_empty, slice_bytes=slice_bytes)
-        if chain:
-            for target, parts in plan:
-                # Into empty stores the full link is in already: the deltas' merge goes on top.
-                # Into live ones the whole chain's rows are upserted, its removals left alone.
-                apply_merge(
-                    target.store,
-                    parts[1:] if into_empty else parts,
-                    keep=keep,
-                    delete=into_empty,
-                    slice_bytes=slice_bytes,
-                )
+        load.apply(into_empty)
         for target in views:  # a read-only view: its rows arrived with the whole rows
             target.view.ignored_writes += head.manifest["views"].get(target.name, {}).get("rows", 0)
 
-    empty = load_all_or_nothing([target.store for target, _ in plan], verify, apply)
+    empty = load_all_or_nothing([table.store for table in tables], load.verify, apply)
     if empty and id_range is None:  # each store now is the head checkpoint: deltas can follow it
-        mark_loaded([target.store for target, _ in plan], head.digest)
+        set_marks([table.store for table in tables], head.digest)
     return extra
 
 
@@ -265,13 +321,17 @@ def check_outside_chain(path: Path, links: list[Link], what: str, head: str = "t
             )
 
 
-def mark_loaded(stores: list[SupportsRows], digest: str) -> None:
-    """After a load into stores that were all empty (none named twice): each now is the
-    checkpoint of ``digest`` (its share of it, across ranks), so deltas can follow it. Any
-    other load leaves the marks where they were: every row it wrote is a tracked change
-    since the store's own mark."""
-    for store in stores:
-        store.mark = ChangeMark(store.next_epoch(), digest)
+def set_marks(stores: list[SupportsRows], digest: str, epochs: list[int] | None = None) -> None:
+    """The one place a checkpoint sets the stores' change marks (``spec/kv_store.md``).
+
+    After a save is published, ``epochs`` (the epoch each store's save captured): every
+    store's changes are tracked since the checkpoint of ``digest``. After a load into
+    stores that were all empty (none named twice), no ``epochs``: each store now is that
+    checkpoint (its share of it, across ranks), so deltas can follow it. Any other load
+    leaves the marks where they were: every row it wrote is a tracked change since the
+    store's own mark."""
+    for store, epoch in zip(stores, epochs or [None] * len(stores), strict=True):
+        store.mark = ChangeMark(store.next_epoch() if epoch is None else epoch, digest)
 
 
 def _reporter(progress: Progress, name: str, parts: list[LinkTable]):
@@ -459,7 +519,7 @@ def save_delta(
             manifest["extra"] = write_extra(staging, extra_bytes)
         data = json.dumps(manifest, indent=1).encode()
         publish(staging, path, manifest=data)
-    set_marks(whole, epochs, data)
+    set_marks([t.store for t in whole.values()], hashlib.sha256(data).hexdigest(), [epochs[n] for n in whole])
     return path
 
 
@@ -504,10 +564,3 @@ def check_delta_base(
                 f"({'it has no change mark' if mark is None else 'its change mark is at another checkpoint'}); "
                 "save a full checkpoint first (base=None), then deltas against it"
             )
-
-
-def set_marks(whole: Mapping[str, Target], epochs: dict[str, int], manifest: bytes) -> None:
-    """Once a save is published: each store's changes are tracked since it."""
-    digest = hashlib.sha256(manifest).hexdigest()
-    for name, target in whole.items():
-        target.store.mark = ChangeMark(epochs[name], digest)

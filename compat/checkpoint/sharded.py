@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -59,13 +58,10 @@ from leanstate.checkpoint._format import (
     layout_fields,
 )
 from leanstate.checkpoint._load import (
-    apply_tables,
     load_all_or_nothing,
-    verify_table,
 )
 from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
-from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import RowLayout
 from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
@@ -212,8 +208,8 @@ def save_sharded(
         outcome, digest = broadcast((outcome, digest), process_group)
         if outcome is not None:  # (on rank 0, leaving the block removes the staging directory)
             raise CheckpointError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
-    for name, table in tables.items():  # published: each store's changes are tracked since it
-        table.store.mark = ChangeMark(epochs[name], digest)
+    # published: each store's changes are tracked since it
+    _chain().set_marks([table.store for table in tables.values()], digest, [epochs[name] for name in tables])
     return path
 
 
@@ -350,12 +346,9 @@ def load_sharded(
         rank, world = 0, 1
     else:
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
-    counting = threading.Lock()
-    plan: list[tuple[BucketedTable, list]] = []  # per table: what each link gives, oldest first
     links: list = []  # head first
+    loads: list = []  # the chain load this rank runs, once prepared
     extra: dict[str, object] = {}
-    slice_bytes = min(chunk_bytes, SLICE_BYTES)
 
     def prepare() -> None:
         nonlocal extra
@@ -369,59 +362,27 @@ def load_sharded(
             for name, table in tables.items():
                 check_table(link.path, name, link.manifest["tables"][name], table)
         extra = _chain().chain_extra(links)
+        plan = []
         for name, table in tables.items():
-            plan.append((table, [link_table(link, name, table, rank, world) for link in reversed(links)]))
-
-    def count(read: TableRead):
-        def counted(chunk: dict, *_) -> None:
-            with counting:
-                stats["chunks_read"] += 1
-                stats["bytes_read"] += chunk["rows"] * read.row_bytes
-
-        return counted
-
-    def verify() -> None:
-        for _, parts in plan:
-            if len(parts) == 1:
-                verify_table(parts[0].path, parts[0].read, slice_bytes, count(parts[0].read))
-            else:
-                for _ in _merge().merged(parts, slice_bytes, in_order=False):  # no ordered copy
-                    pass
-
-    def apply(into_empty: bool) -> None:
-        stats.update(dict.fromkeys(stats, 0))  # the figures of the pass that applies
-        applying, chain = [], len(links) > 1
-        for table, parts in plan:
-            keep = rows_kept(table, parts[0].read, rank, world)
-            # Into empty stores (or without deltas) the full link loads as a full load reads it.
-            if into_empty or not chain:
-                applying.append((parts[0].read, table.store, keep, count(parts[0].read)))
-        stats["rows_loaded"] = sum(
-            apply_tables(links[-1].path, applying, into_empty=into_empty, slice_bytes=slice_bytes)
-        )
-        if chain:
-            for table, parts in plan:
-                # On top of the full link, the deltas' merge; into live stores, the whole
-                # chain's rows upserted (a removal leaves the store's own row alone).
-                merging = parts[1:] if into_empty else parts
-                for part in merging:  # (counted as planned: the merge reads every chunk listed)
-                    counted = count(part.read)
-                    for _, chunk in (c for piece in part.read.files for c in piece.chunks):
-                        counted(chunk)
-                keep = rows_kept(table, parts[0].read, rank, world)
-                stats["rows_loaded"] += _merge().apply_merge(
-                    table.store, merging, keep=keep, delete=into_empty, slice_bytes=slice_bytes
-                )
+            parts = [link_table(link, name, table, rank, world) for link in reversed(links)]
+            plan.append(_chain().ChainTable(table.store, parts, rows_kept(table, parts[0].read, rank, world)))
+        loads.append(_chain().ChainLoad(links, plan, min(chunk_bytes, SLICE_BYTES)))
 
     try:
         stores = [table.store for table in tables.values()]
         empty = load_all_or_nothing(
-            stores, verify, apply, prepare=prepare, group=process_group, gather_errors=True, method=method
+            stores,
+            lambda: loads[0].verify(),
+            lambda into_empty: loads[0].apply(into_empty),
+            prepare=prepare,
+            group=process_group,
+            gather_errors=True,
+            method=method,
         )
-    finally:
-        _record(stats)  # also when the load fails: what this rank read before it did
+    finally:  # also when the load fails: what this rank read before it did
+        _record(loads[0].stats if loads else {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0})
     if empty:  # each rank's stores now are its share of the head: deltas can follow it
-        _chain().mark_loaded(stores, links[0].digest)
+        _chain().set_marks(stores, links[0].digest)
     return extra
 
 
