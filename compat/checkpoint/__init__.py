@@ -271,9 +271,9 @@ def compact_checkpoint(
     check_chunk_bytes(method, chunk_bytes)
     if not isinstance(overwrite, bool):
         raise TypeError(f"{method}: overwrite must be True or False; got {overwrite!r}")
-    return _delta_chains().compact(
-        Path(src), dst, chunk_bytes=chunk_bytes, overwrite=overwrite, method=method
-    )
+    from leanstate.checkpoint._compaction import compact  # numpy, as the chain: on first use
+
+    return compact(Path(src), dst, chunk_bytes=chunk_bytes, overwrite=overwrite, method=method)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, int, int]]:

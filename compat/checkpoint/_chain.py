@@ -16,9 +16,7 @@ each id the newest link decides.
   deltas' merge is applied (upserts and deletes); into stores that hold rows every link
   is verified first and the merge of the whole chain upserted (a removal then leaves
   the store's own row of that id alone: the chain loads as its compaction would);
-- :func:`compact` writes the merge as one full checkpoint, byte for byte a full save (a
-  version-2 chain: ``leanstate.checkpoint.sharded.compact_sharded``, at the head's world
-  size, through :func:`write_merge` per rank file);
+- compaction, the merge written as one full checkpoint, is ``_compaction``'s;
 - :func:`save_delta` writes the rows a store changed since its change mark.
 """
 
@@ -37,17 +35,12 @@ import torch
 
 from leanstate.checkpoint._arguments import Target, check_layout, chunks_in_range, in_range
 from leanstate.checkpoint._chunks import (
-    ChunkFile,
     TableRead,
-    buckets_of,
-    rows_per_chunk,
     write_store,
 )
 from leanstate.checkpoint._files import (
-    checked_target,
     publish,
     read_extra,
-    read_extra_bytes,
     read_manifest_and_digest,
     staged,
     write_extra,
@@ -55,8 +48,6 @@ from leanstate.checkpoint._files import (
 from leanstate.checkpoint._format import (
     DELTA_FORMAT,
     DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST,
     REMOVED_SUFFIX,
     SLICE_BYTES,
@@ -71,7 +62,6 @@ from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
 
 MAX_LINKS = 1000
-_NO_ROWS = np.empty((0, 0), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -349,109 +339,6 @@ def verify_chain(links: list[Link]) -> Iterator[Link]:
                 pass
         read_extra(link.path, link.manifest)
         yield link
-
-
-# -- compaction ---------------------------------------------------------------------------
-
-
-def compact(src: Path, dst: Path, *, chunk_bytes: int, overwrite: bool, method: str) -> Path:
-    """Merge the chain at ``src`` into one full checkpoint at ``dst`` of the chain's version
-    (see ``leanstate.compact_checkpoint``)."""
-    links = read_chain(src, method)
-    dst = checked_target(dst, method)
-    check_outside_chain(dst, links, f"{method}: dst", f"the head of the chain being compacted ({src})")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:  # an empty directory is free, as for convert
-        raise ValueError(
-            f"{method}: dst {dst} exists; pass overwrite=True (leanstate compact --force) to replace it"
-        )
-    if links[0].version == 2:  # across ranks: one file per rank of the head's world size
-        from leanstate.checkpoint.sharded import compact_sharded
-
-        return compact_sharded(links, dst, chunk_bytes=chunk_bytes, method=method)
-    head = links[0]
-    parts = {name: chain_parts(links, name, None) for name in head.manifest["tables"]}
-    chain_extra(links)  # checked as a load checks it
-    extra_bytes = read_extra_bytes(head.path, head.manifest)
-    with staged(dst, method) as staging:
-        manifest = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "tables": {},
-            "views": head.manifest["views"],
-            "extra": None,
-        }
-        for name, table_parts in parts.items():
-            table = head.manifest["tables"][name]
-            layout = RowLayout(table["dim"], table["optimizer_state_dim"], DTYPES[table["dtype"]])
-            file = staging / f"{name}.rows"
-            chunks = write_merge(file, layout, table_parts, chunk_bytes)
-            manifest["tables"][name] = table_entry(layout, file, chunks)
-        if extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, extra_bytes)
-        publish(staging, dst, manifest=manifest)
-    return dst
-
-
-def write_merge(
-    file: Path,
-    layout: RowLayout,
-    parts: list[LinkTable],
-    chunk_bytes: int,
-    bucketing: tuple[int, int | None] | None = None,
-) -> list[dict]:
-    """The merge of ``parts`` written to ``file`` in chunks of a full save's size; with
-    ``bucketing`` (a version-2 rank file, the merge bucket-major), chunks cut as
-    ``chunk_spans`` cuts a full save's: never across a bucket, each entry naming its bucket."""
-    per_chunk = rows_per_chunk(layout, chunk_bytes)
-    buffers = [np.empty((per_chunk, layout.row_bytes), dtype=np.uint8) for _ in range(2)]
-    sink = ChunkFile(file, pipelined=True)
-    filled, turn, bucket = 0, 0, None
-
-    def flush() -> None:
-        nonlocal filled, turn
-        # append waits for the write before it: the other buffer is free again
-        sink.append(
-            _as_rows(buffers[turn][:filled], layout), **({} if bucket is None else {"bucket": bucket})
-        )
-        filled, turn = 0, 1 - turn
-
-    try:
-        for pieces, _ in merged(parts):
-            rows = pieces[0] if pieces else _NO_ROWS
-            for start, end, run in _bucket_runs(rows, bucketing):
-                if filled and run != bucket:  # a chunk never spans two buckets
-                    flush()
-                bucket, at = run, start
-                while at < end:
-                    take = min(per_chunk - filled, end - at)
-                    buffers[turn][filled : filled + take] = rows[at : at + take]
-                    filled, at = filled + take, at + take
-                    if filled == per_chunk:
-                        flush()
-        if filled:
-            flush()
-        return sink.close()
-    except BaseException:
-        sink.abort()
-        raise
-
-
-def _bucket_runs(
-    rows: np.ndarray, bucketing: tuple[int, int | None] | None
-) -> list[tuple[int, int, int | None]]:
-    """``[start, end)`` runs of ``rows`` (in saving order) within one bucket, each with its
-    bucket (all of them one run, bucket None, without ``bucketing``)."""
-    if not len(rows):
-        return []
-    if bucketing is None:
-        return [(0, len(rows), None)]
-    buckets = buckets_of(rows[:, :8].copy().view("<i8")[:, 0], bucketing)
-    cuts = [0, *(np.flatnonzero(buckets[1:] != buckets[:-1]) + 1).tolist(), len(rows)]
-    return [(start, end, int(buckets[start])) for start, end in zip(cuts[:-1], cuts[1:], strict=True)]
-
-
-def _as_rows(data: np.ndarray, layout: RowLayout) -> torch.Tensor:
-    return torch.from_numpy(data).view(layout.dtype).view(-1, layout.width)
 
 
 # -- save ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ A *delta* (``base=``) holds, per rank, only the rows its stores wrote and the id
 removed since their change marks (at ``base``), bucket-major too; a load of a delta
 loads its whole chain, each rank reading from every link only the chunks and removed
 ids of the buckets it owns (``spec/sharding.md``, "Delta checkpoints across ranks").
-:func:`compact_sharded` (``leanstate.compact_checkpoint`` of such a chain) merges it in
+``_compaction.compact_sharded`` (``leanstate.compact_checkpoint`` of such a chain) merges it in
 one process into the full checkpoint a save at the head's world size would write.
 
 Example (on every rank)::
@@ -49,7 +49,6 @@ from leanstate.checkpoint._format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
     DELTA_FORMAT,
-    DTYPES,
     MANIFEST,
     REMOVED_SUFFIX,
     SLICE_BYTES,
@@ -62,7 +61,6 @@ from leanstate.checkpoint._load import (
 )
 from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
-from leanstate.reference.row_format import RowLayout
 from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
 FORMAT_VERSION = 2
@@ -265,53 +263,6 @@ def table_entry(layout, bucketing: tuple[int, int | None], written_by_rank: list
 
 
 # -- compaction ---------------------------------------------------------------------------
-
-
-def compact_sharded(links: list, dst: Path, *, chunk_bytes: int, method: str) -> Path:
-    """Merge the version-2 chain ``links`` (head first) into one full version-2 checkpoint at
-    ``dst`` (already checked), in this process: the head's world size and bucketing; rank
-    r's file the merge, over every link, of the chunks and removed ids of the buckets r
-    owns, in (bucket, id) order, cut into chunks as a full save cuts them. Byte for byte
-    what a full save at that world size writes from stores holding the chain's rows."""
-    chain = _chain()
-    head = links[0]
-    world = head.manifest["world_size"]
-    plan = {}
-    for name, saved in head.manifest["tables"].items():
-        chain.chain_parts(links, name, None)  # in every link, with one layout (D4)
-        bucketing = (saved["bucketing"]["buckets"], saved["bucketing"]["bucket_size"])
-        for link in links[1:]:  # a load checks every link's against the module's
-            other = link.manifest["tables"][name]["bucketing"]
-            if (other["buckets"], other["bucket_size"]) != bucketing:
-                raise CheckpointError(
-                    f"table {name!r} in {link.file}: saved with "
-                    f"{describe_bucketing(other['buckets'], other['bucket_size'])}, the head {head.file} with "
-                    f"{describe_bucketing(*bucketing)}: every link of a chain has one bucketing"
-                )
-        table = BucketedTable(None, *bucketing)
-        plan[name] = (RowLayout(saved["dim"], saved["optimizer_state_dim"], DTYPES[saved["dtype"]]), table)
-    chain.chain_extra(links)  # checked as a load checks it
-    extra_bytes = files.read_extra_bytes(head.path, head.manifest)
-    with files.staged(dst, method) as staging:
-        manifest = new_manifest(world)
-        for name, (layout, table) in plan.items():
-            bucketing, written = (table.buckets, table.bucket_size), []
-            for rank in range(world):  # one rank's file at a time: a few slices per file held
-                parts = [link_table(link, name, table, rank, world) for link in reversed(links)]
-                file = staging / f"{name}.rank{rank}.rows"
-                chunks = chain.write_merge(file, layout, parts, chunk_bytes, bucketing)
-                written.append(
-                    {
-                        "file": file.name,
-                        "bytes": sum(c["rows"] for c in chunks) * layout.row_bytes,
-                        "chunks": chunks,
-                    }
-                )
-            manifest["tables"][name] = table_entry(layout, bucketing, written)
-        if extra_bytes is not None:
-            manifest["extra"] = files.write_extra(staging, extra_bytes)
-        files.publish(staging, dst, manifest=manifest)
-    return dst
 
 
 # -- load ---------------------------------------------------------------------------------
