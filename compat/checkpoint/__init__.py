@@ -17,35 +17,28 @@ of one backend loads bit for bit into a store of any other, on any device.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from leanstate.checkpoint._arguments import Target, check_id_range, chunks_in_range, targets_of
-from leanstate.checkpoint._chunks import TableRead, read_chunks, write_store
+from leanstate.checkpoint._chunks import TableRead, read_chunks
 from leanstate.checkpoint._files import (
     checked_target,
     extra_bytes_of,
-    publish,
     read_extra,
     read_manifest,
     read_manifest_and_digest,
-    staged,
-    write_extra,
 )
 from leanstate.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     Progress,
     check_chunk_bytes,
     is_delta,
-    table_entry,
 )
 from leanstate.checkpoint._module_tables import restore_module_extra, with_module_extra
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
-from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 
@@ -135,28 +128,16 @@ def save_checkpoint(
             progress=progress,
             method=method,
         )
-    epochs = {name: target.store.next_epoch() for name, target in whole.items()}
-    with staged(path, method) as staging:
-        manifest = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "tables": {},
-            "views": views,
-            "extra": None,
-        }
-        for name, target in whole.items():
-            file = staging / f"{name}.rows"
-            report = None if progress is None else (lambda done, total, n=name: progress(n, done, total))
-            chunks = write_store(target.store, file, chunk_bytes, pipelined=pipelined, progress=report)
-            manifest["tables"][name] = table_entry(target.store.layout, file, chunks)
-        if extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, extra_bytes)
-        data = json.dumps(manifest, indent=1).encode()
-        publish(staging, path, manifest=data)
-    chain.set_marks(
-        [t.store for t in whole.values()], hashlib.sha256(data).hexdigest(), list(epochs.values())
+    return chain.write_checkpoint(
+        path,
+        whole,
+        views,
+        extra_bytes,
+        chunk_bytes=chunk_bytes,
+        pipelined=pipelined,
+        progress=progress,
+        method=method,
     )
-    return path
 
 
 def _view_entry(target: Target, whole: dict[str, Target], method: str) -> dict:

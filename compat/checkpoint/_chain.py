@@ -48,6 +48,8 @@ from leanstate.checkpoint._files import (
 from leanstate.checkpoint._format import (
     DELTA_FORMAT,
     DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST,
     REMOVED_SUFFIX,
     SLICE_BYTES,
@@ -371,23 +373,56 @@ def save_delta(
         check_layout(base / saved[name]["file"], name, saved[name], stores[name])
 
     check_delta_base(path, links, stores, matches, f"{method}: ")
+    entry = {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
+    return write_checkpoint(
+        path,
+        whole,
+        views,
+        extra_bytes,
+        base=entry,
+        chunk_bytes=chunk_bytes,
+        pipelined=pipelined,
+        progress=progress,
+        method=method,
+    )
+
+
+def write_checkpoint(
+    path: Path,
+    whole: Mapping[str, Target],
+    views: dict,
+    extra_bytes: bytes | None,
+    *,
+    base: dict | None = None,
+    chunk_bytes: int,
+    pipelined: bool,
+    progress: Progress | None,
+    method: str,
+) -> Path:
+    """The one writer of a version-1 checkpoint, full or delta, staged and published
+    atomically; the stores' marks moved to it once published.
+
+    ``base`` None: a full checkpoint, every row. Else the delta's ``base`` entry (``{path,
+    manifest_sha256}``, checked by the caller): each store's rows written since its change
+    mark, and the ids removed since it (with those deleted while saving)."""
     epochs, changes = {}, {}
-    for name, target in whole.items():  # before any row is read: later writes go to the next delta
+    for name, target in whole.items():  # before any row is read: later writes go to the next save
         epochs[name] = target.store.next_epoch()
-        changes[name] = target.store.changes(since=target.store.mark.epoch)
+        if base is not None:
+            changes[name] = target.store.changes(since=target.store.mark.epoch)
     with staged(path, method) as staging:
         manifest = {
-            "format": DELTA_FORMAT,
-            "version": 1,
-            "base": {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest},
+            "format": FORMAT_NAME if base is None else DELTA_FORMAT,
+            "version": FORMAT_VERSION,
+            **({} if base is None else {"base": base}),
             "tables": {},
             "views": views,
             "extra": None,
         }
         for name, target in whole.items():
-            written, removed = changes[name]
+            written, removed = changes.get(name, (None, None))
             file = staging / f"{name}.rows"
-            dropped: list[torch.Tensor] = []
+            dropped: list[torch.Tensor] | None = None if base is None else []
             report = None if progress is None else (lambda done, total, n=name: progress(n, done, total))
             chunks = write_store(
                 target.store,
@@ -399,8 +434,9 @@ def save_delta(
                 progress=report,
             )
             entry = table_entry(target.store.layout, file, chunks)
-            gone = torch.cat([removed.cpu(), *dropped]).numpy() if dropped else removed.cpu().numpy()
-            entry["removed"] = write_removed(staging / f"{name}{REMOVED_SUFFIX}", np.unique(gone))
+            if base is not None:
+                gone = torch.cat([removed.cpu(), *dropped]).numpy() if dropped else removed.cpu().numpy()
+                entry["removed"] = write_removed(staging / f"{name}{REMOVED_SUFFIX}", np.unique(gone))
             manifest["tables"][name] = entry
         if extra_bytes is not None:
             manifest["extra"] = write_extra(staging, extra_bytes)
