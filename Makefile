@@ -38,13 +38,15 @@ test: $(STAMP)
 	$(BIN)/python -m leanstate bench --gate
 
 test-cudasim: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m cudasim
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "cudasim and not slow"
 
 test-main: $(STAMP)
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not cudasim and not slow and not gpu"
 
+# The long property runs and the full-size fault trials, the simulator's in its own process.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow"
+	$(BIN)/python -m pytest -q -m "slow and not cudasim and not gpu"
+	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "cudasim and slow"
 
 # The quick table (kept as JSON under $(HISTORY)), then asv's quick set in this venv, kept
 # under asv_bench/results; make bench-html draws both.

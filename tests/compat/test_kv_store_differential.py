@@ -24,6 +24,15 @@ def test_engine_matches_the_reference(backend):
     check_backend(backend, examples=20 if simulated else 80, max_dim=12 if simulated else 300)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ACCELERATED)
+def test_engine_matches_the_reference_at_length(backend):
+    """The long run of the same machine (``make test-slow``): five times the examples on the
+    CPU engines; in the simulator five times the runs on rows up to four times as wide."""
+    simulated = backend == "numba-cuda"
+    check_backend(backend, examples=100 if simulated else 400, max_dim=48 if simulated else 300)
+
+
 EDGE_IDS = [7, 2**63 - 1, 0, 1, 2**62, 2**63 - 2, 48]
 
 

@@ -43,24 +43,60 @@ def batches(draw):
     return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+TRAINING = {
+    "optimizer": st.sampled_from(["sgd", "rowwise_adagrad", "adam"]),
+    "mode": st.sampled_from(["sum", "mean"]),
+    "weighted": st.booleans(),
+    "offloading": st.booleans(),
+    "weight_decay": st.sampled_from([0.0, 0.01]),
+    "dtype": dtypes(),
+    "steps": st.lists(batches(), min_size=1, max_size=3),
+    "seed": st.integers(0, 2**32),
+    "data": st.data(),
+}
+
+
 @pytest.mark.parametrize("backend", ACCELERATED)
 @settings(max_examples=40, deadline=None)
-@given(
-    optimizer=st.sampled_from(["sgd", "rowwise_adagrad", "adam"]),
-    mode=st.sampled_from(["sum", "mean"]),
-    weighted=st.booleans(),
-    offloading=st.booleans(),
-    weight_decay=st.sampled_from([0.0, 0.01]),
-    dtype=dtypes(),
-    steps=st.lists(batches(), min_size=1, max_size=3),
-    seed=st.integers(0, 2**32),
-    data=st.data(),
-)
+@given(**TRAINING)
 def test_engine_trains_bit_for_bit_like_the_reference(
     backend, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed, data
 ):
+    trains_like_the_reference(
+        backend,
+        widest(backend),
+        optimizer,
+        mode,
+        weighted,
+        offloading,
+        weight_decay,
+        dtype,
+        steps,
+        seed,
+        data,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ACCELERATED)
+@settings(max_examples=120, deadline=None)
+@given(**TRAINING)
+def test_engine_trains_bit_for_bit_like_the_reference_at_length(
+    backend, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed, data
+):
+    """The long run (``make test-slow``): three times the examples, and in the simulator rows
+    past 32 wide (a warp's width)."""
+    width = 40 if backend == "numba-cuda" else widest(backend)
+    trains_like_the_reference(
+        backend, width, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed, data
+    )
+
+
+def trains_like_the_reference(
+    backend, width, optimizer, mode, weighted, offloading, weight_decay, dtype, steps, seed, data
+):
     weighted = weighted and mode == "sum"
-    dim = data.draw(dims(widest(backend)), label="dim")
+    dim = data.draw(dims(width), label="dim")
     bags = [
         KVEmbeddingBag(
             None,
