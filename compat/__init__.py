@@ -31,7 +31,7 @@ from leanstate.embedding import (
 )
 from leanstate.embedding.sharded import ShardedKVEmbeddingBagCollection
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.pinned_pool import PinnedMemoryPool
 from leanstate.reference.row_format import RowLayout

@@ -38,6 +38,29 @@ class FakeClock:
 # -- stores -------------------------------------------------------------------------------
 
 
+_opened: list[str] | None = None  # the paths opened while files_opened() counts, else None
+
+
+def _note_open(event: str, args: tuple) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], str | bytes | os.PathLike):
+        _opened.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def files_opened():
+    """The paths this process opens inside the block (``open`` and ``os.open`` alike, seen
+    by an audit hook: hooks cannot be removed, so one is added once and counts only here)."""
+    global _opened
+    if not getattr(files_opened, "hooked", False):
+        sys.addaudithook(_note_open)
+        files_opened.hooked = True
+    _opened = []
+    try:
+        yield _opened
+    finally:
+        _opened = None
+
+
 def check_backend(backend: str, examples: int = 80, max_dim: int = 300) -> None:
     """Run the conformance kit's state machine on ``backend``'s stores against the reference
     (shard counts vary with the seed; dims up to ``max_dim``)."""

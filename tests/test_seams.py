@@ -155,6 +155,40 @@ def test_the_sub_package_check_catches_a_reach_into_the_checkpoint_core(tmp_path
     assert foreign_private_modules(leaky, "leanstate.checkpoint") == ["leaky.py:7: leanstate.dcp._state"]
 
 
+ERROR_HOME = "leanstate.reference.checkpoint_manifest"
+
+
+def checkpoint_error_imports(path: Path) -> list[str]:
+    """Where ``path`` imports ``CheckpointError`` from anywhere but the module defining it."""
+    return [
+        f"{path.name}:{node.lineno}: from {node.module}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and any(alias.name == "CheckpointError" for alias in node.names)
+        and node.module != ERROR_HOME
+    ]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_checkpoint_error_is_imported_from_its_one_definition(path):
+    """Textbook and hardened code raise one class, imported from where it is defined (not
+    through the textbook's loader or the hardened schema)."""
+    assert checkpoint_error_imports(path) == []
+
+
+def test_the_error_check_catches_an_import_through_another_module(tmp_path):
+    relay = tmp_path / "relay.py"
+    relay.write_text(
+        "from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError\n"
+        "from leanstate.reference.checkpoint_manifest import CheckpointError\n"
+        "from leanstate.checkpoint._format import CheckpointError as Error\n"
+    )
+    assert checkpoint_error_imports(relay) == [
+        "relay.py:1: from leanstate.reference.checkpoint",
+        "relay.py:3: from leanstate.checkpoint._format",
+    ]
+
+
 def _backend_of(module: str) -> str | None:
     """The backend an ``accelerated`` engine module belongs to (``numba_cuda_kv_store`` ->
     ``numba_cuda``), or None for a shared private module."""

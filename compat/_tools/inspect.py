@@ -10,7 +10,7 @@ from leanstate.checkpoint import verify_checkpoint
 from leanstate.checkpoint.core import DTYPES, MANIFEST, describe_bucketing, is_delta, read_manifest_and_digest
 from leanstate.checkpoint.sharded import verify_sharded
 from leanstate.kv_store import KVStore
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 
 def main(path: str) -> int:

@@ -35,7 +35,6 @@ from leanstate.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     Progress,
     check_chunk_bytes,
-    is_delta,
 )
 from leanstate.checkpoint._module_tables import restore_module_extra, with_module_extra
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
@@ -220,7 +219,7 @@ def _load(path, tables, id_range, progress, chunk_bytes, process_group) -> dict[
             )
         return load_into_plain(path, manifest, digest, targets, chunk_bytes=chunk_bytes)
     chain = _delta_chains()
-    links = chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
+    links = chain.read_chain(path, head=(manifest, digest))
     return chain.load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
 
 

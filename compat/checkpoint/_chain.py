@@ -53,13 +53,13 @@ from leanstate.checkpoint._format import (
     MANIFEST,
     REMOVED_SUFFIX,
     SLICE_BYTES,
-    CheckpointError,
     Progress,
     is_delta,
     table_entry,
 )
 from leanstate.checkpoint._load import apply_tables, load_all_or_nothing, verify_table
 from leanstate.checkpoint._merge import LinkTable, apply_merge, merged, write_removed
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
 
@@ -88,14 +88,18 @@ class Link:
         return self.manifest["version"]
 
 
-def read_chain(path: Path, method: str = "load_checkpoint") -> list[Link]:
-    """Every link from the checkpoint at ``path`` down to its full checkpoint, head first.
+def read_chain(
+    path: Path, method: str = "load_checkpoint", head: tuple[dict, str] | None = None
+) -> list[Link]:
+    """Every link from the checkpoint at ``path`` down to its full checkpoint, head first
+    (one link for a full checkpoint).
 
-    Each manifest is checked against its schema; a base must exist, have the digest its
-    delta names, be of the head's version (1 or 2: a chain is saved by one process, or
-    across ranks, throughout) and not lead back into the chain; at most ``MAX_LINKS``
-    links."""
-    _, manifest, digest = read_manifest_and_digest(path)
+    Each manifest is read once (the head's not at all when ``head``, its manifest and digest,
+    is given: the caller read it to learn the version) and checked against its schema; a base
+    must exist, have the digest its delta names, be of the head's version (1 or 2: a chain
+    is saved by one process, or across ranks, throughout) and not lead back into the chain;
+    at most ``MAX_LINKS`` links."""
+    manifest, digest = read_manifest_and_digest(path)[1:] if head is None else head
     links = [Link(Path(path), manifest, digest)]
     visited = {os.path.realpath(path)}
     while links[-1].delta:

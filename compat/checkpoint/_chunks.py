@@ -32,7 +32,7 @@ import torch
 from leanstate.checkpoint._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
 from leanstate.checkpoint._files import open_regular
 from leanstate.checkpoint._format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharding import bucket_of, owner_of_bucket

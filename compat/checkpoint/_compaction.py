@@ -20,10 +20,11 @@ from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketi
 from leanstate.checkpoint._chain import chain_extra, chain_parts, check_outside_chain, read_chain
 from leanstate.checkpoint._chunks import ChunkFile, buckets_of, rows_per_chunk
 from leanstate.checkpoint._files import checked_target, publish, read_extra_bytes, staged, write_extra
-from leanstate.checkpoint._format import DTYPES, FORMAT_NAME, FORMAT_VERSION, CheckpointError, table_entry
+from leanstate.checkpoint._format import DTYPES, FORMAT_NAME, FORMAT_VERSION, table_entry
 from leanstate.checkpoint._merge import LinkTable, merged
 from leanstate.checkpoint.sharded import link_table, new_manifest
 from leanstate.checkpoint.sharded import table_entry as sharded_table_entry
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.row_format import RowLayout
 
 _NO_ROWS = np.empty((0, 0), dtype=np.uint8)

@@ -31,7 +31,6 @@ from leanstate.reference.checkpoint_manifest import (
     TABLE_KEYS,
     TOP_KEYS,
     VIEW_KEYS,
-    CheckpointError,
 )
 from leanstate.reference.delta_checkpoint import DELTA_FORMAT, REMOVED_KEYS
 from leanstate.reference.row_format import RowLayout, header_words
@@ -46,7 +45,6 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "MAX_NAME_BYTES",
-    "CheckpointError",
 ]
 # Loads read at most this much at a time: the read, the CRC and the upsert of a slice
 # stay in cache (measured faster than whole 64 MiB chunks).

@@ -44,7 +44,7 @@ from leanstate.checkpoint._chunks import TableRead, read_chunks, read_in_place
 from leanstate.checkpoint._files import interrupts_deferred
 from leanstate.checkpoint._format import SLICE_BYTES
 from leanstate.checkpoint._ranks import from_every_rank
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import header_words
 

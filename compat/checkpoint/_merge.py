@@ -22,7 +22,8 @@ import torch
 
 from leanstate.checkpoint._chunks import TableRead, buckets_of, open_data_file, read_chunks
 from leanstate.checkpoint._files import write_synced
-from leanstate.checkpoint._format import SLICE_BYTES, CheckpointError
+from leanstate.checkpoint._format import SLICE_BYTES
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.row_format import header_words
 

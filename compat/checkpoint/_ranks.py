@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from leanstate.checkpoint._files import staged
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 
 def distributed() -> bool:

@@ -61,7 +61,7 @@ from leanstate.checkpoint.sharded import (
     load_sharded,
     rows_kept,
 )
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import header_words
 

@@ -44,7 +44,7 @@ from leanstate.checkpoint._chunks import (
     read_chunks,
     write_store,
 )
-from leanstate.checkpoint._files import read_manifest, read_manifest_and_digest
+from leanstate.checkpoint._files import read_manifest
 from leanstate.checkpoint._format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
@@ -53,14 +53,14 @@ from leanstate.checkpoint._format import (
     REMOVED_SUFFIX,
     SLICE_BYTES,
     check_chunk_bytes,
-    is_delta,
     layout_fields,
 )
 from leanstate.checkpoint._load import (
     load_all_or_nothing,
 )
 from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
-from leanstate.reference.checkpoint import FORMAT_NAME, CheckpointError
+from leanstate.reference.checkpoint import FORMAT_NAME
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
 FORMAT_VERSION = 2
@@ -303,7 +303,7 @@ def load_sharded(
 
     def prepare() -> None:
         nonlocal extra
-        links.extend(_links(path, head))
+        links.extend(_chain().read_chain(path, head=head))  # head first
         for link in links:
             missing = [name for name in tables if name not in link.manifest["tables"]]
             if missing:
@@ -335,16 +335,6 @@ def load_sharded(
     if empty:  # each rank's stores now are its share of the head: deltas can follow it
         _chain().set_marks(stores, links[0].digest)
     return extra
-
-
-def _links(path: Path, head: tuple[dict, str] | None) -> list:
-    """The checkpoint at ``path`` and, for a delta, every link of its chain, head first."""
-    chain = _chain()
-    if head is None:
-        _, manifest, digest = read_manifest_and_digest(path)
-    else:
-        manifest, digest = head
-    return chain.read_chain(path) if is_delta(manifest) else [chain.Link(path, manifest, digest)]
 
 
 def link_table(link, name: str, table: BucketedTable, rank: int, world: int):

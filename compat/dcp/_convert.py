@@ -25,7 +25,8 @@ from leanstate.checkpoint.core import (
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import DEFAULT_CHUNK_BYTES, INDEX_KEY, NativeTable
 from leanstate.dcp._transaction import load, save
-from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from leanstate.reference.checkpoint import FORMAT_NAME, FORMAT_VERSION
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.row_format import RowLayout, header_words
 
 NATIVE_MANIFEST, NATIVE_EXTRA = "leanstate.native.manifest", "leanstate.native.extra"

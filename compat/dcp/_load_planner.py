@@ -34,7 +34,7 @@ from leanstate.dcp._state import (
     split_key,
     split_state,
 )
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace
 from leanstate.reference.sharding import bucket_of, owner_of_bucket
 

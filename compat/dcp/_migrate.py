@@ -24,7 +24,7 @@ from leanstate.checkpoint.core import group_rank
 from leanstate.dcp import _transaction
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._state import Entry, split_state
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 _EXTRA_STATE = "_extra_state"  # nn.Module's state-dict key for get_extra_state()
 _CHUNK_ROWS = 65536  # a migrated table is written this many rows at a time

@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from leanstate.checkpoint.core import Behind
 from leanstate.dcp._load_planner import KVLoadPlanner
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 

@@ -32,7 +32,7 @@ from leanstate.dcp._state import (
     split_state,
     tables_and_views,
 )
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 
 class _Refusal:

@@ -33,7 +33,7 @@ from leanstate.dcp._load_planner import KVLoadPlanner
 from leanstate.dcp._reader import SafeFileSystemReader
 from leanstate.dcp._save_planner import KVSavePlanner
 from leanstate.dcp._state import DEFAULT_CHUNK_BYTES, as_value, split_state
-from leanstate.reference.checkpoint import CheckpointError
+from leanstate.reference.checkpoint_manifest import CheckpointError
 
 METADATA = ".metadata"  # DCP's marker of a complete checkpoint, written last
 

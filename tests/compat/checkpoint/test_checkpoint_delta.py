@@ -21,7 +21,7 @@ from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_check
 from leanstate.kv_store import KVStore
 from leanstate.reference import delta_checkpoint as textbook
 from leanstate.reference.checkpoint import CheckpointError
-from tests.harness import FakeClock, kill_during
+from tests.harness import FakeClock, files_opened, kill_during
 
 BACKENDS = ["reference", "numba", "torch"]
 DIM, STATE = 6, 2
@@ -51,6 +51,27 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 # -- the chain equals the store ---------------------------------------------------------
+
+
+def manifests_read(opened: list[str]) -> dict[str, int]:
+    """How many times each link's manifest was opened, by the link's folder name."""
+    names = [Path(p).parent.name for p in opened if Path(p).name == "manifest.json"]
+    return {name: names.count(name) for name in names}
+
+
+def test_a_chain_load_reads_each_links_manifest_once(tmp_path):
+    store = new_store()
+    base = None
+    for link in range(3):
+        store.set(torch.arange(link, 40, 3), torch.full((len(range(link, 40, 3)), DIM), float(link)))
+        save_checkpoint(tmp_path / f"l{link}", {"t": store}, base=base)
+        base = tmp_path / f"l{link}"
+    fresh = new_store()
+    with files_opened() as opened:
+        load_checkpoint(base, {"t": fresh})
+    assert manifests_read(opened) == {"l0": 1, "l1": 1, "l2": 1}
+    assert_same(fresh, store)
+
 
 OPS = st.lists(
     st.one_of(

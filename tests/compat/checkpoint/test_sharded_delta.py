@@ -31,7 +31,7 @@ from leanstate import (
 )
 from leanstate.reference.kv_store import ChangeMark
 from tests.compat.sharded_models import G, configs, global_batch, local_batch, upstream
-from tests.harness import one_rank_group, run_world
+from tests.harness import files_opened, one_rank_group, run_world
 
 DELTAS = 3  # each history: a full checkpoint c0, then deltas d1..d3
 HEAD = f"d{DELTAS}"
@@ -379,6 +379,19 @@ def test_a_chain_loads_at_world_1_and_into_plain_stores(runs, folder, name):
     for table in expected:  # "<table>.weight": the bag's store (the optimizer state inside)
         keys, rows = rows_of(plain.embedding_bags[table.removesuffix(".weight")].store)
         assert torch.equal(keys, expected[table][0]) and torch.equal(rows, expected[table][1]), table
+
+
+def test_a_chain_load_reads_each_links_manifest_once(runs, folder, group):
+    """Across ranks (here one) and into plain stores alike: the head's manifest, read to
+    learn the version, is not read again for the chain."""
+    links = sorted(["c0", *(f"d{k}" for k in range(1, DELTAS + 1))])
+    for tables, process_group in [
+        (build().checkpoint_tables(), group),
+        (KVEmbeddingBagCollection(configs(), clock=lambda: 1000).checkpoint_tables(), None),
+    ]:
+        with files_opened() as opened:
+            load_checkpoint(folder / "s1" / HEAD, tables, process_group=process_group)
+        assert sorted(Path(p).parent.name for p in opened if Path(p).name == "manifest.json") == links
 
 
 def test_the_manifest_layout(folder):
