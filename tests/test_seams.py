@@ -189,6 +189,46 @@ def test_the_error_check_catches_an_import_through_another_module(tmp_path):
     ]
 
 
+CHECKPOINT_PACKAGES = ("compat/checkpoint", "compat/dcp")
+
+
+def mark_assignments(path: Path) -> list[str]:
+    """Where ``path`` sets a store's change mark (``x.mark = ...``) outside ``set_marks``."""
+    tree = ast.parse(path.read_text())
+    allowed = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef) and function.name == "set_marks"
+        for node in ast.walk(function)
+    }
+    return [
+        f"{path.name}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and id(node) not in allowed
+        and any(isinstance(t, ast.Attribute) and t.attr == "mark" for t in node.targets)
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MODULES if p.parent.relative_to(ROOT).as_posix() in CHECKPOINT_PACKAGES],
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_checkpoints_set_marks_in_one_place(path):
+    """Saves, loads and the follower of both versions move the marks through set_marks."""
+    assert mark_assignments(path) == []
+
+
+def test_the_mark_check_catches_a_mark_set_elsewhere(tmp_path):
+    module = tmp_path / "marks.py"
+    module.write_text(
+        "def set_marks(stores, digest):\n    for s in stores:\n        s.mark = digest\n"
+        "def apply(store, digest):\n    store.mark = digest\n"
+    )
+    assert mark_assignments(module) == ["marks.py:5"]
+
+
 def _backend_of(module: str) -> str | None:
     """The backend an ``accelerated`` engine module belongs to (``numba_cuda_kv_store`` ->
     ``numba_cuda``), or None for a shared private module."""

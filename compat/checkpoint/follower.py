@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from leanstate.checkpoint._arguments import targets_of
 from leanstate.checkpoint._bucketed_table import BucketedTable
+from leanstate.checkpoint._chain import set_marks
 from leanstate.checkpoint._chunks import TableRead
 from leanstate.checkpoint._files import read_extra, read_manifest_and_digest
 from leanstate.checkpoint._format import (
@@ -62,7 +63,6 @@ from leanstate.checkpoint.sharded import (
     rows_kept,
 )
 from leanstate.reference.checkpoint_manifest import CheckpointError
-from leanstate.reference.kv_store import ChangeMark
 from leanstate.reference.row_format import header_words
 
 STAGING_SLICE_BYTES = 2**20  # a delta is read in slices of this size while it is staged
@@ -486,8 +486,7 @@ class Follower:
                     rows += len(piece)
             if len(gone):
                 removed += store.delete(gone)
-        for store in self._stores.values():
-            store.mark = ChangeMark(store.next_epoch(), digest)
+        set_marks(list(self._stores.values()), digest)
         return rows, removed
 
     def _load_full(self, link: Candidate, tables: dict[str, BucketedTable]) -> int:
