@@ -394,6 +394,30 @@ def test_a_chain_load_reads_each_links_manifest_once(runs, folder, group):
         assert sorted(Path(p).parent.name for p in opened if Path(p).name == "manifest.json") == links
 
 
+def test_a_chain_loads_statistics_count_every_links_chunks_once(runs, folder):
+    """Into empty stores (the full link loaded, the deltas merged on top) and into the same
+    stores again, live (every link merged): the figures are the apply pass's, each chunk of
+    every link once. Kills: the merge's chunks left uncounted."""
+    from leanstate import last_load_stats
+
+    files = [
+        file
+        for link in ["c0", *(f"d{k}" for k in range(1, DELTAS + 1))]
+        for table in json.loads((folder / "s1" / link / "manifest.json").read_text())["tables"].values()
+        for file in table["files"]
+    ]
+    expected = {
+        "bytes_read": sum(f["bytes"] for f in files),
+        "chunks_read": sum(len(f["chunks"]) for f in files),
+    }
+    assert expected["chunks_read"] > len(files) > DELTAS  # several links, files of several chunks
+    plain = KVEmbeddingBagCollection(configs(), clock=lambda: 1000)
+    for into in ("empty", "live"):
+        load_checkpoint(folder / "s1" / HEAD, plain.checkpoint_tables())
+        got = {key: last_load_stats[key] for key in expected}
+        assert got == expected, into
+
+
 def test_the_manifest_layout(folder):
     """The delta's manifest: the version-2 table entry, each file with its rank and removed
     ids (bucket-major: min_id/max_id are the file's first and last), the base relative."""
