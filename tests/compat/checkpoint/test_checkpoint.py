@@ -531,3 +531,61 @@ def test_rows_deleted_while_a_save_runs_are_left_out_and_the_checkpoint_loads(tm
     load_checkpoint(tmp_path / "ck", {"t": loaded})
     assert torch.equal(loaded.keys(), store.keys()) and len(loaded) == len(keys) - len(doomed)
     assert same(snapshot(loaded), snapshot(store))
+
+
+def test_a_backend_argument_is_deprecated_and_ignored_and_none_warns_nothing(tmp_path):
+    """``backend=`` once chose the I/O path; every backend now shares one, so passing it
+    warns (naming the call) and changes nothing; leaving it out warns nothing."""
+    import warnings
+
+    store = filled(40)
+    for method in ("save_checkpoint", "load_checkpoint"):
+        with pytest.warns(DeprecationWarning, match=rf"{method}\(backend=\.\.\.\) is deprecated and ignored"):
+            save_checkpoint(
+                tmp_path / "a", {"t": store}, backend="numba" if method == "save_checkpoint" else None
+            )
+            loaded = KVStore(6, optimizer_state_dim=2)
+            load_checkpoint(
+                tmp_path / "a", {"t": loaded}, backend="numba" if method == "load_checkpoint" else None
+            )
+        assert same(snapshot(loaded), snapshot(store))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        save_checkpoint(tmp_path / "b", {"t": store})
+        load_checkpoint(tmp_path / "b", {"t": KVStore(6, optimizer_state_dim=2)})
+
+
+def test_a_modules_tables_load_with_its_extra_state(tmp_path):
+    """``checkpoint_tables()`` of a module saves its extra state (the optimizer step) beside
+    the caller's and a load restores it; a checkpoint saved without it (plain tables)
+    leaves the module's step as it was."""
+    from leanstate import KVEmbeddingBag
+
+    def bag():
+        return KVEmbeddingBag(50, 4, optimizer="adam", lr=0.1, clock=FakeClock())
+
+    trained = bag()
+    for step in range(3):
+        trained(torch.tensor([step, 7]), torch.tensor([0])).sum().backward()
+    save_checkpoint(tmp_path / "module", trained.checkpoint_tables(), extra={"epoch": 1})
+    fresh = bag()
+    assert load_checkpoint(tmp_path / "module", fresh.checkpoint_tables()) == {
+        "epoch": 1,
+        "optimizer_step": 3,
+    }
+    assert fresh.optimizer_step == 3 and same(snapshot(fresh.store), snapshot(trained.store))
+    save_checkpoint(tmp_path / "plain", dict(trained.checkpoint_tables()))
+    again = bag()
+    again.optimizer_step = 5
+    load_checkpoint(tmp_path / "plain", again.checkpoint_tables())
+    assert again.optimizer_step == 5
+
+
+def test_a_load_refuses_a_path_that_is_not_one_and_a_bad_chunk_size_naming_them(tmp_path):
+    save_checkpoint(tmp_path / "c", {"t": filled(n=3)})
+    with pytest.raises(TypeError, match="load_checkpoint: path must be a str or os.PathLike; got int"):
+        load_checkpoint(7, {"t": KVStore(6, optimizer_state_dim=2)})
+    store = KVStore(6, optimizer_state_dim=2)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        load_checkpoint(tmp_path / "c", {"t": store}, chunk_bytes=0)
+    assert len(store) == 0
