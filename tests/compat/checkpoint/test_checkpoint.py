@@ -589,3 +589,50 @@ def test_a_load_refuses_a_path_that_is_not_one_and_a_bad_chunk_size_naming_them(
     with pytest.raises(ValueError, match="chunk_bytes"):
         load_checkpoint(tmp_path / "c", {"t": store}, chunk_bytes=0)
     assert len(store) == 0
+
+
+def test_verify_yields_every_chunk_then_checks_the_extra_state(tmp_path):
+    """One (table, chunk, rows) as each chunk passes, in the manifest's order (a bad chunk
+    is not yielded), and only then the extra state: a damaged extra fails after every
+    chunk has been yielded."""
+    store = filled(n=40)
+    save_checkpoint(tmp_path / "c", {"t": store}, chunk_bytes=10 * store.layout.row_bytes, extra={"k": 1})
+    chunks = read_manifest(tmp_path / "c")[1]["tables"]["t"]["chunks"]
+    assert list(verify_checkpoint(tmp_path / "c")) == [("t", i, c["rows"]) for i, c in enumerate(chunks)]
+    extra = next(p for p in (tmp_path / "c").iterdir() if p.name.startswith("extra"))
+    extra.write_bytes(extra.read_bytes()[:-1] + bytes([extra.read_bytes()[-1] ^ 1]))
+    passed = []
+    with pytest.raises(CheckpointError, match="extra"):
+        for item in verify_checkpoint(tmp_path / "c"):
+            passed.append(item)
+    assert len(passed) == len(chunks) == 4
+    data = bytearray((tmp_path / "c" / "t.rows").read_bytes())
+    data[chunks[2]["offset"] + 20] ^= 1  # the third chunk: two pass, the bad one is never yielded
+    (tmp_path / "c" / "t.rows").write_bytes(bytes(data))
+    passed.clear()
+    with pytest.raises(CheckpointError, match="chunk 2"):
+        for item in verify_checkpoint(tmp_path / "c"):
+            passed.append(item)
+    assert [index for _, index, _ in passed] == [0, 1]
+
+
+def test_a_version_2_checkpoint_refuses_id_range_in_one_process(tmp_path):
+    """id_range selects rows of a version-1 checkpoint; buckets decide a version-2 one's, so
+    asking for a range is an error that loads nothing."""
+    from leanstate.checkpoint.core import BucketedTable
+    from tests.harness import one_rank_group
+
+    with one_rank_group() as group:
+        save_checkpoint(tmp_path / "v2", {"t": BucketedTable(filled(n=20), 2, None)}, process_group=group)
+    store = KVStore(6, optimizer_state_dim=2)
+    with pytest.raises(ValueError, match="id_range applies to version-1 checkpoints; this one is version 2"):
+        load_checkpoint(tmp_path / "v2", {"t": store}, id_range=(0, 100))
+    assert len(store) == 0
+
+
+def test_compaction_names_a_source_that_is_not_a_path(tmp_path):
+    from leanstate.checkpoint import compact_checkpoint
+
+    with pytest.raises(TypeError, match="compact_checkpoint: src must be a str or os.PathLike; got int"):
+        compact_checkpoint(7, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
