@@ -130,3 +130,37 @@ def test_a_chunk_starting_at_the_previous_chunks_last_id_is_refused(saved, live)
         load_checkpoint(saved, {"t": store})
     after = rows_of(store)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+class _FailingRows(KVStore):
+    """A store whose rows cannot be read (a device lost mid-save, say)."""
+
+    def get_rows(self, ids, *args, **kwargs):
+        raise OSError("the device is gone")
+
+
+def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank_and_changes_nothing(tmp_path, group):
+    """A rank's write error reaches rank 0's agreement: the save raises, naming the rank and
+    the file, the previous checkpoint at the path stays, and no store's mark moves."""
+    save_checkpoint(tmp_path / "c", table_of(filled()), process_group=group)
+    before = (tmp_path / "c" / "manifest.json").read_bytes()
+    failing = _FailingRows(4, optimizer_state_dim=1)
+    failing.set(torch.arange(10), torch.ones(10, 4))
+    mark = failing.mark
+    with pytest.raises(
+        CheckpointError, match=r"the save across ranks failed \(rank 0: writing t\.rank0\.rows"
+    ):
+        save_checkpoint(tmp_path / "c", table_of(failing), process_group=group)
+    assert (tmp_path / "c" / "manifest.json").read_bytes() == before
+    assert failing.mark == mark
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
+def test_with_a_process_group_plain_stores_are_refused_by_save_and_load(saved, group):
+    """Across ranks the buckets decide who holds a row: plain stores, without their
+    bucketing, are a TypeError saying what to pass, on save and on load alike."""
+    store = filled()
+    for call in (save_checkpoint, load_checkpoint):
+        with pytest.raises(TypeError, match=f"{call.__name__}: with process_group, tables must be"):
+            call(saved, {"t": store}, process_group=group)
+    assert len(store) == len(filled())
