@@ -164,3 +164,33 @@ def test_with_a_process_group_plain_stores_are_refused_by_save_and_load(saved, g
         with pytest.raises(TypeError, match=f"{call.__name__}: with process_group, tables must be"):
             call(saved, {"t": store}, process_group=group)
     assert len(store) == len(filled())
+
+
+def test_into_plain_stores_a_read_only_view_before_a_table_skips_only_itself(tmp_path, group):
+    """One process loading a version-2 checkpoint: a read-only view (its rows arrive inside
+    the whole rows) is passed over, and every table after it still loads."""
+    from leanstate.reference.kv_tensor import KVTensor
+
+    a, b = filled(), KVStore(4, optimizer_state_dim=1)
+    b.set(torch.arange(5, 50, 5), torch.full((9, 4), 2.0))
+    save_checkpoint(
+        tmp_path / "v2", {"a": BucketedTable(a, 2, None), "b": BucketedTable(b, 2, None)}, process_group=group
+    )
+    fresh_a, fresh_b = KVStore(4, optimizer_state_dim=1), KVStore(4, optimizer_state_dim=1)
+    view = KVTensor(fresh_a, width_offset=fresh_a.layout.padded_dim, width=1, read_only=True)
+    load_checkpoint(tmp_path / "v2", {"a.state": view, "a": fresh_a, "b": fresh_b})
+    assert torch.equal(rows_of(fresh_a)[1], rows_of(a)[1]) and torch.equal(rows_of(fresh_b)[1], rows_of(b)[1])
+
+
+def test_a_load_that_fails_before_reading_reports_nothing_read(saved, group):
+    """A table the checkpoint lacks is refused before any chunk is read: the statistics of
+    that load are all zero, not the previous load's."""
+    load_sharded(saved, table_of(KVStore(4, optimizer_state_dim=1)), process_group=group)
+    assert last_load_stats["chunks_read"] > 0
+    with pytest.raises(CheckpointError, match="no table 'u'"):
+        load_sharded(
+            saved,
+            {"u": BucketedTable(KVStore(4, optimizer_state_dim=1), BUCKETS, BUCKET_SIZE)},
+            process_group=group,
+        )
+    assert last_load_stats == {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
