@@ -20,6 +20,7 @@ from leanstate._backends import BackendInfo, backend_info
 from leanstate._backends import register as register_backend
 from leanstate._backends import unregister as unregister_backend
 from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
+from leanstate.checkpoint.follower import Follower
 from leanstate.checkpoint.legacy import load_legacy_checkpoint, save_legacy_checkpoint
 from leanstate.checkpoint.sharded import last_load_stats
 from leanstate.embedding import (
@@ -86,12 +87,3 @@ __all__ = [
     "save_legacy_checkpoint",
     "unregister_backend",
 ]
-
-
-def __getattr__(name: str):
-    """``Follower`` on first use: its module needs numpy, ``import leanstate`` does not."""
-    if name == "Follower":
-        from leanstate.checkpoint.follower import Follower
-
-        return Follower
-    raise AttributeError(f"module 'leanstate' has no attribute {name!r}")

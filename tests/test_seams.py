@@ -307,3 +307,44 @@ def test_the_check_catches_a_reach_into_an_engine(tmp_path):
         "leaky.py:1: from leanstate.reference.checkpoint import _checksum",
         "leaky.py:3: store._engine",
     ]
+
+
+def deferred_imports(path: Path, numpy_too: bool) -> list[str]:
+    """Where ``path`` imports a leanstate module (and numpy, with ``numpy_too``) inside a
+    function or class body instead of at the top, where the import graph shows it."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    for node in tree.body:  # an ``if TYPE_CHECKING:`` or ``try:`` block at the top is the top too
+        if isinstance(node, ast.If | ast.Try):
+            top.update(id(n) for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in top:
+            continue
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+        if any(n.split(".")[0] == "leanstate" or (numpy_too and n.split(".")[0] == "numpy") for n in names):
+            found.append(f"{path.name}:{node.lineno}: {names[0]}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MODULES if not p.parent.relative_to(ROOT).as_posix().startswith("compat/_tools")],
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_the_library_imports_its_modules_at_the_top(path):
+    """No module of the library is imported on first use (the command line's subcommands,
+    in ``_tools``, are); the checkpoint packages take numpy from ``leanstate._numpy``."""
+    in_checkpoints = path.parent.relative_to(ROOT).as_posix() in CHECKPOINT_PACKAGES
+    assert deferred_imports(path, numpy_too=in_checkpoints) == []
+
+
+def test_the_import_check_catches_an_import_on_first_use(tmp_path):
+    module = tmp_path / "lazy.py"
+    module.write_text(
+        "import torch\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import numpy\n"
+        "def _chain():\n    from leanstate.checkpoint import _chain\n    return _chain\n"
+        "def rows():\n    import numpy as np\n    import torch.distributed\n"
+    )
+    assert deferred_imports(module, numpy_too=False) == ["lazy.py:6: leanstate.checkpoint"]
+    assert deferred_imports(module, numpy_too=True) == ["lazy.py:6: leanstate.checkpoint", "lazy.py:9: numpy"]

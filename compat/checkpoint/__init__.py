@@ -22,8 +22,11 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from leanstate._numpy import require
 from leanstate.checkpoint._arguments import Target, check_id_range, chunks_in_range, targets_of
+from leanstate.checkpoint._chain import load_chain, read_chain, save_delta, write_checkpoint
 from leanstate.checkpoint._chunks import TableRead, read_chunks
+from leanstate.checkpoint._compaction import compact
 from leanstate.checkpoint._files import (
     checked_target,
     extra_bytes_of,
@@ -40,13 +43,6 @@ from leanstate.checkpoint._module_tables import restore_module_extra, with_modul
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
-
-
-def _delta_chains():
-    """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
-    from leanstate.checkpoint import _chain
-
-    return _chain
 
 
 def _backend_argument(backend: str | None, method: str) -> None:
@@ -101,6 +97,7 @@ def save_checkpoint(
         >>> leanstate.save_checkpoint("ckpt-0", {"user": store}, extra={"step": 10})
         >>> leanstate.save_checkpoint("ckpt-1", {"user": store}, base="ckpt-0")  # the changes only
     """
+    require("save_checkpoint")
     _backend_argument(backend, "save_checkpoint")
     extra = with_module_extra(tables, extra, "save_checkpoint")
     if process_group is not None:
@@ -114,9 +111,8 @@ def save_checkpoint(
     views = {t.name: _view_entry(t, whole, method) for t in targets if t.name not in whole}
     extra_bytes = None if extra is None else extra_bytes_of(extra, method)
     path = checked_target(path, method)
-    chain = _delta_chains()
     if base is not None:
-        return chain.save_delta(
+        return save_delta(
             path,
             whole,
             views,
@@ -127,7 +123,7 @@ def save_checkpoint(
             progress=progress,
             method=method,
         )
-    return chain.write_checkpoint(
+    return write_checkpoint(
         path,
         whole,
         views,
@@ -190,6 +186,7 @@ def load_checkpoint(
 
         >>> extra = leanstate.load_checkpoint("ckpt", {"user": fresh_store})
     """
+    require("load_checkpoint")
     _backend_argument(backend, "load_checkpoint")
     extra = _load(path, tables, id_range, progress, chunk_bytes, process_group)
     restore_module_extra(tables, extra)
@@ -218,9 +215,8 @@ def _load(path, tables, id_range, progress, chunk_bytes, process_group) -> dict[
                 "load_checkpoint: id_range applies to version-1 checkpoints; this one is version 2"
             )
         return load_into_plain(path, manifest, digest, targets, chunk_bytes=chunk_bytes)
-    chain = _delta_chains()
-    links = chain.read_chain(path, head=(manifest, digest))
-    return chain.load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
+    links = read_chain(path, head=(manifest, digest))
+    return load_chain(links, targets, id_range=id_range, chunk_bytes=chunk_bytes, progress=progress)
 
 
 def compact_checkpoint(
@@ -246,13 +242,12 @@ def compact_checkpoint(
         >>> leanstate.compact_checkpoint("ckpt-10", "ckpt-10-full")
     """
     method = "compact_checkpoint"
+    require(method)
     if not isinstance(src, str | os.PathLike):
         raise TypeError(f"{method}: src must be a str or os.PathLike; got {type(src).__name__}")
     check_chunk_bytes(method, chunk_bytes)
     if not isinstance(overwrite, bool):
         raise TypeError(f"{method}: overwrite must be True or False; got {overwrite!r}")
-    from leanstate.checkpoint._compaction import compact  # numpy, as the chain: on first use
-
     return compact(Path(src), dst, chunk_bytes=chunk_bytes, overwrite=overwrite, method=method)
 
 

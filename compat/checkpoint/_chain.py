@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from leanstate.checkpoint._arguments import Target, check_layout, chunks_in_range, in_range
@@ -439,8 +438,8 @@ def write_checkpoint(
             )
             entry = table_entry(target.store.layout, file, chunks)
             if base is not None:
-                gone = torch.cat([removed.cpu(), *dropped]).numpy() if dropped else removed.cpu().numpy()
-                entry["removed"] = write_removed(staging / f"{name}{REMOVED_SUFFIX}", np.unique(gone))
+                gone = torch.unique(torch.cat([removed.cpu(), *dropped])).numpy()  # ascending
+                entry["removed"] = write_removed(staging / f"{name}{REMOVED_SUFFIX}", gone)
             manifest["tables"][name] = entry
         if extra_bytes is not None:
             manifest["extra"] = write_extra(staging, extra_bytes)

@@ -25,10 +25,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from leanstate._numpy import np
 from leanstate.checkpoint._background import Behind, Stopped, one_buffer_ahead, produced_on_a_thread
 from leanstate.checkpoint._files import open_regular
 from leanstate.checkpoint._format import CHECKSUMS, chunk_entry, new_chunk_checksum, row_bytes_of
@@ -36,9 +36,6 @@ from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ReadsInPlace, SupportsRows
 from leanstate.reference.row_format import RowLayout, header_words
 from leanstate.reference.sharding import bucket_of, owner_of_bucket
-
-if TYPE_CHECKING:
-    import numpy
 
 # -- writing ------------------------------------------------------------------------------
 
@@ -266,7 +263,7 @@ class TableRead:
 
 
 def in_saving_order(
-    keys: torch.Tensor | numpy.ndarray, bucketing: tuple[int, int | None] | list | None = None
+    keys: torch.Tensor | np.ndarray, bucketing: tuple[int, int | None] | list | None = None
 ) -> bool:
     """Whether ``keys`` (on the host) strictly ascend, or with ``bucketing`` ascend by
     (bucket, id): the order every format saves rows in.
@@ -285,17 +282,15 @@ def in_saving_order(
     return bool(((step > 0) | ((step == 0) & ascending)).all())
 
 
-def in_bucket(keys: numpy.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
+def in_bucket(keys: np.ndarray, bucketing: tuple[int, int | None], bucket: int) -> bool:
     """Whether every key (all >= 0) lies in ``bucket``: ``bucket_of``'s rule, in numpy, because
     a version-2 chunk holds one bucket's rows, a few hundred, and four torch calls a chunk
     cost more than the load's copy of them."""
     return bool((buckets_of(keys, bucketing) == bucket).all())
 
 
-def buckets_of(keys: numpy.ndarray, bucketing: tuple[int, int | None]) -> numpy.ndarray:
+def buckets_of(keys: np.ndarray, bucketing: tuple[int, int | None]) -> np.ndarray:
     """The bucket of each key (all >= 0): ``bucket_of``'s rule, in numpy."""
-    import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
-
     buckets, size = bucketing
     return keys % buckets if size is None else np.minimum(keys // size, buckets - 1)
 
@@ -320,8 +315,6 @@ class _ChunkCheck:
     def add(self, view: memoryview, crc: int | None = None) -> None:
         """One more slice; ``crc``: the chunk's running checksum through it, when the
         reader already computed it (while the bytes were still in cache)."""
-        import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
-
         self.crc = self.update(view, self.crc) if crc is None else crc
         keys = np.frombuffer(view, dtype=np.int64)[:: self.row_bytes // 8]
         if not in_saving_order(keys) or int(keys[0]) <= self.last_key:
@@ -418,8 +411,6 @@ def read_chunks(
                     yield index, chunk, None
 
     if not ahead:
-        import numpy as np  # here: ``import leanstate`` needs no numpy, a load does
-
         buffer = np.empty(size, dtype=np.uint8)  # not zeroed: every byte is read into first
         yield from produce(lambda: buffer)
         return

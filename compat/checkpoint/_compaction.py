@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from leanstate._numpy import np
 from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
 from leanstate.checkpoint._chain import chain_extra, chain_parts, check_outside_chain, read_chain
 from leanstate.checkpoint._chunks import ChunkFile, buckets_of, rows_per_chunk
@@ -26,8 +26,6 @@ from leanstate.checkpoint.sharded import link_table, new_manifest
 from leanstate.checkpoint.sharded import table_entry as sharded_table_entry
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.row_format import RowLayout
-
-_NO_ROWS = np.empty((0, 0), dtype=np.uint8)
 
 
 def compact(src: Path, dst: Path, *, chunk_bytes: int, overwrite: bool, method: str) -> Path:
@@ -91,7 +89,7 @@ def write_merge(
 
     try:
         for pieces, _ in merged(parts):
-            rows = pieces[0] if pieces else _NO_ROWS
+            rows = pieces[0] if pieces else np.empty((0, layout.row_bytes), dtype=np.uint8)
             for start, end, run in _bucket_runs(rows, bucketing):
                 if filled and run != bucket:  # a chunk never spans two buckets
                     flush()

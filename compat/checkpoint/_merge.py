@@ -17,18 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
-import numpy as np
 import torch
 
+from leanstate._numpy import np
 from leanstate.checkpoint._chunks import TableRead, buckets_of, open_data_file, read_chunks
 from leanstate.checkpoint._files import write_synced
 from leanstate.checkpoint._format import SLICE_BYTES
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.row_format import header_words
-
-_NO_IDS = np.empty(0, dtype=np.int64)
-_NO_ROWS = np.empty((0, 0), dtype=np.uint8)
 
 Bucketing = tuple[int, int | None]
 
@@ -139,7 +136,7 @@ class _Stream:
     ) -> None:
         self.rank, self.where, self.row_bytes, self.bucketing = rank, where, row_bytes, bucketing
         self._slices, self._keep = slices, keep
-        self.ids, self.buckets, self.rows = _NO_IDS, None, None
+        self.ids, self.buckets, self.rows = np.empty(0, dtype=np.int64), None, None
         self.exhausted = False
 
     def refill(self) -> None:
@@ -243,7 +240,7 @@ def _resolve(
     parts = [part for part in parts if len(part[1])]
     if len(parts) == 1:
         _, ids, _, rows = parts[0]
-        return ([rows], _NO_IDS) if rows is not None else ([], ids)
+        return ([rows], np.empty(0, dtype=np.int64)) if rows is not None else ([], ids)
     sizes = [len(part[1]) for part in parts]
     ids = np.concatenate([part[1] for part in parts])
     source = np.repeat(np.arange(len(parts)), sizes)  # the part of each entry

@@ -10,11 +10,10 @@ them is a change seen here first, with every caller found by its import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from leanstate.checkpoint._arguments import check_layout
 from leanstate.checkpoint._background import Behind, finish_removals
 from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
+from leanstate.checkpoint._chain import read_chain, verify_chain
 from leanstate.checkpoint._chunks import (
     ChunkFile,
     TableRead,
@@ -46,9 +45,6 @@ from leanstate.checkpoint._format import (
 from leanstate.checkpoint._load import load_all_or_nothing
 from leanstate.checkpoint._module_tables import ModuleTables
 from leanstate.checkpoint._ranks import all_true, distributed, group_rank, staged_by_rank_0
-
-if TYPE_CHECKING:  # imported on first use: see __getattr__ below
-    from leanstate.checkpoint._chain import read_chain, verify_chain
 
 __all__ = [
     # the files: a manifest read with its digest, staging, atomic publishing
@@ -93,15 +89,3 @@ __all__ = [
     "read_chain",
     "verify_chain",
 ]
-
-_NEED_NUMPY = {"read_chain", "verify_chain"}
-
-
-def __getattr__(name: str):
-    # The chain's module needs numpy, which ``import leanstate`` (and with it the embedding
-    # modules that import this one) does not load: its names are imported on first use.
-    if name in _NEED_NUMPY:
-        from leanstate.checkpoint import _chain
-
-        return getattr(_chain, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,10 +35,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from leanstate._numpy import np
 from leanstate.checkpoint._arguments import targets_of
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.checkpoint._chain import set_marks

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from leanstate._numpy import np
 from leanstate.reference.kv_store import SupportsRows
 
 APPLY_CHUNK_ROWS = 10_000
@@ -61,8 +62,6 @@ def save_legacy_checkpoint(path: str | os.PathLike, tables: Mapping[str, Support
 
 
 def _read_tensor(file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    import numpy as np  # the KV code alone needs numpy: imported on first use
-
     raw = np.fromfile(file, dtype=np.uint8)
     if raw.size == 0:  # an empty tensor (no optimizer state) was saved as an empty file
         return torch.empty(shape, dtype=dtype)

@@ -37,13 +37,16 @@ import torch.distributed as dist
 from leanstate.checkpoint import _files as files
 from leanstate.checkpoint._arguments import Target, check_layout, targets_of
 from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
-from leanstate.checkpoint._chunks import (
-    TableRead,
-    bucket_major,
-    buckets_of,
-    read_chunks,
-    write_store,
+from leanstate.checkpoint._chain import (
+    ChainLoad,
+    ChainTable,
+    base_chain,
+    chain_extra,
+    check_delta_base,
+    read_chain,
+    set_marks,
 )
+from leanstate.checkpoint._chunks import TableRead, bucket_major, buckets_of, read_chunks, write_store
 from leanstate.checkpoint._files import read_manifest
 from leanstate.checkpoint._format import (
     CHECKSUM,
@@ -55,29 +58,14 @@ from leanstate.checkpoint._format import (
     check_chunk_bytes,
     layout_fields,
 )
-from leanstate.checkpoint._load import (
-    load_all_or_nothing,
-)
+from leanstate.checkpoint._load import load_all_or_nothing
+from leanstate.checkpoint._merge import LinkTable, write_removed
 from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
 from leanstate.reference.checkpoint import FORMAT_NAME
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
 FORMAT_VERSION = 2
-
-
-def _chain():
-    """The chain module, imported on first use: it needs numpy, ``import leanstate`` does not."""
-    from leanstate.checkpoint import _chain as _checkpoint_chain
-
-    return _checkpoint_chain
-
-
-def _merge():
-    """The merge module, imported on first use (numpy, as :func:`_chain`)."""
-    from leanstate.checkpoint import _merge as _checkpoint_merge
-
-    return _checkpoint_merge
 
 
 def check_sharded_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
@@ -103,7 +91,7 @@ def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int, changes
     if changes is not None:
         gone = torch.unique(torch.cat([changes[1].cpu(), *dropped]))  # ascending, then bucket-major
         removed = file.with_name(file.name.removesuffix(".rows") + REMOVED_SUFFIX)
-        entry["removed"] = _merge().write_removed(removed, bucket_major(gone, bucketing)[0].numpy())
+        entry["removed"] = write_removed(removed, bucket_major(gone, bucketing)[0].numpy())
     return entry
 
 
@@ -111,7 +99,7 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
     """A delta's ``base`` entry (``{path, manifest_sha256}``), once ``base`` is a version-2
     checkpoint with ``tables``' names, layouts and bucketing, and every store's change mark
     is at it; else a ``ValueError`` naming the table (as this rank sees it)."""
-    links = _chain().base_chain(Path(base), "save_checkpoint")
+    links = base_chain(Path(base), "save_checkpoint")
     version, manifest, digest = links[0].version, links[0].manifest, links[0].digest
     if version != 2:
         raise ValueError(
@@ -123,7 +111,7 @@ def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> 
     def matches(name: str) -> None:
         check_table(Path(base), name, manifest["tables"][name], tables[name])
 
-    _chain().check_delta_base(Path(path), links, stores, matches)
+    check_delta_base(Path(path), links, stores, matches)
     return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
 
 
@@ -207,7 +195,7 @@ def save_sharded(
         if outcome is not None:  # (on rank 0, leaving the block removes the staging directory)
             raise CheckpointError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
     # published: each store's changes are tracked since it
-    _chain().set_marks([table.store for table in tables.values()], digest, [epochs[name] for name in tables])
+    set_marks([table.store for table in tables.values()], digest, [epochs[name] for name in tables])
     return path
 
 
@@ -303,7 +291,7 @@ def load_sharded(
 
     def prepare() -> None:
         nonlocal extra
-        links.extend(_chain().read_chain(path, head=head))  # head first
+        links.extend(read_chain(path, head=head))  # head first
         for link in links:
             missing = [name for name in tables if name not in link.manifest["tables"]]
             if missing:
@@ -312,12 +300,12 @@ def load_sharded(
                 )
             for name, table in tables.items():
                 check_table(link.path, name, link.manifest["tables"][name], table)
-        extra = _chain().chain_extra(links)
+        extra = chain_extra(links)
         plan = []
         for name, table in tables.items():
             parts = [link_table(link, name, table, rank, world) for link in reversed(links)]
-            plan.append(_chain().ChainTable(table.store, parts, rows_kept(table, parts[0].read, rank, world)))
-        loads.append(_chain().ChainLoad(links, plan, min(chunk_bytes, SLICE_BYTES)))
+            plan.append(ChainTable(table.store, parts, rows_kept(table, parts[0].read, rank, world)))
+        loads.append(ChainLoad(links, plan, min(chunk_bytes, SLICE_BYTES)))
 
     try:
         stores = [table.store for table in tables.values()]
@@ -333,7 +321,7 @@ def load_sharded(
     finally:  # also when the load fails: what this rank read before it did
         _record(loads[0].stats if loads else {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0})
     if empty:  # each rank's stores now are its share of the head: deltas can follow it
-        _chain().set_marks(stores, links[0].digest)
+        set_marks(stores, links[0].digest)
     return extra
 
 
@@ -344,7 +332,7 @@ def link_table(link, name: str, table: BucketedTable, rank: int, world: int):
     saved = link.manifest["tables"][name]
     read = TableRead.of_saved(name, saved, rank, world)
     if not link.delta:
-        return _merge().LinkTable(link.path, read)
+        return LinkTable(link.path, read)
     if link.version == 1:
         removed = (saved["removed"],)
     else:
@@ -358,7 +346,7 @@ def link_table(link, name: str, table: BucketedTable, rank: int, world: int):
                     removed.append(ends)
         removed = tuple(removed)
     keep = None if world == 1 else _owned_ids(table, rank, world)
-    return _merge().LinkTable(link.path, read, removed, keep)
+    return LinkTable(link.path, read, removed, keep)
 
 
 def _owned_ids(table: BucketedTable, rank: int, world: int):

@@ -158,6 +158,33 @@ print(leanstate.backend_info().chosen["kv_store"], len(zero.state_dict()["state"
     assert run_python(code).split() == ["torch", "4", "4.0"]
 
 
+def test_checkpoints_without_numpy_name_the_fix_and_write_nothing(tmp_path):
+    """Without numpy a checkpoint call says what to install before it touches a file; the
+    rest of leanstate (the chain's modules among what ``import leanstate`` loads) imports."""
+    code = f"""
+import sys
+sys.modules["numpy"] = None
+import warnings
+warnings.simplefilter("ignore")
+import torch, leanstate
+store = leanstate.KVStore(4)
+store.set(torch.tensor([3]), torch.ones(1, 4))
+calls = {{
+    "save_checkpoint": lambda: leanstate.save_checkpoint({str(tmp_path / "c")!r}, {{"t": store}}),
+    "load_checkpoint": lambda: leanstate.load_checkpoint({str(tmp_path / "c")!r}, {{"t": store}}),
+    "compact_checkpoint": lambda: leanstate.compact_checkpoint({str(tmp_path / "c")!r}, {str(tmp_path / "d")!r}),
+}}
+for method, call in calls.items():
+    try:
+        call()
+    except ModuleNotFoundError as exc:
+        print(str(exc).startswith(method + ":") and "pip install numpy" in str(exc))
+print(leanstate.Follower.__name__, len(store))
+"""
+    assert run_python(code).split() == ["True", "True", "True", "Follower", "1"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_backend_info_is_a_snapshot_that_changes_nothing():
     info = leanstate.backend_info()
     chosen = info.chosen["kv_store"]
