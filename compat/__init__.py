@@ -19,10 +19,9 @@ from importlib.metadata import PackageNotFoundError, version
 from leanstate._backends import BackendInfo, backend_info
 from leanstate._backends import register as register_backend
 from leanstate._backends import unregister as unregister_backend
-from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
+from leanstate.checkpoint import compact_checkpoint, last_load_stats, load_checkpoint, save_checkpoint
 from leanstate.checkpoint.follower import Follower
 from leanstate.checkpoint.legacy import load_legacy_checkpoint, save_legacy_checkpoint
-from leanstate.checkpoint.sharded import last_load_stats
 from leanstate.embedding import (
     KeyedJaggedTensor,
     KeyedTensor,

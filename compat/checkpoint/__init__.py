@@ -24,7 +24,14 @@ from pathlib import Path
 
 from leanstate._numpy import require
 from leanstate.checkpoint._arguments import Target, check_id_range, chunks_in_range, targets_of
-from leanstate.checkpoint._chain import load_chain, read_chain, save_delta, write_checkpoint
+from leanstate.checkpoint._chain import (
+    last_load_stats,
+    load_chain,
+    read_chain,
+    record_stats,
+    save_delta,
+    write_checkpoint,
+)
 from leanstate.checkpoint._chunks import TableRead, read_chunks
 from leanstate.checkpoint._compaction import compact
 from leanstate.checkpoint._files import (
@@ -43,6 +50,8 @@ from leanstate.checkpoint._module_tables import restore_module_extra, with_modul
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
+
+__all__ = ["compact_checkpoint", "last_load_stats", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 
 def _backend_argument(backend: str | None, method: str) -> None:
@@ -188,13 +197,17 @@ def load_checkpoint(
     """
     require("load_checkpoint")
     _backend_argument(backend, "load_checkpoint")
-    extra = _load(path, tables, id_range, progress, chunk_bytes, process_group)
+    extra, _ = _load(path, tables, id_range, progress, chunk_bytes, process_group)
     restore_module_extra(tables, extra)
     return extra
 
 
-def _load(path, tables, id_range, progress, chunk_bytes, process_group) -> dict[str, object]:
-    """``load_checkpoint`` of whatever the checkpoint at ``path`` is; its extra state."""
+def _load(
+    path, tables, id_range, progress, chunk_bytes, process_group
+) -> tuple[dict[str, object], dict[str, int]]:
+    """``load_checkpoint`` of whatever the checkpoint at ``path`` is: its extra state and the
+    load's statistics (every load returns them; ``last_load_stats`` keeps the last's)."""
+    record_stats(None)  # a load refused before it reads anything read nothing
     if process_group is not None:
         if id_range is not None:
             raise ValueError(

@@ -195,11 +195,11 @@ class ChainLoad:
     tables (the chunks and removals of the buckets it owns) and runs it across ranks.
 
     ``stats``: bytes and chunks read (by the verify pass of a single link, then by the
-    pass that applies) and rows loaded."""
+    pass that applies) and rows loaded; what the load returns (:func:`record_stats`)."""
 
     def __init__(self, links: list[Link], tables: list[ChainTable], slice_bytes: int) -> None:
         self.links, self.tables, self.slice_bytes = links, tables, slice_bytes
-        self.stats = {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
+        self.stats = dict.fromkeys(STATS, 0)
         self._counting = threading.Lock()
 
     def _counted(self, read: TableRead, progress: Callable | None = None) -> Callable:
@@ -250,6 +250,24 @@ class ChainLoad:
                 )
 
 
+STATS = ("bytes_read", "chunks_read", "rows_loaded")
+
+last_load_stats: dict[str, int] = {}
+"""This process's statistics of its last load, of either version, failed or not: bytes and
+chunks read, rows loaded (``leanstate.last_load_stats`` is this same dict). Every load
+returns its own; this record of the last is kept for the name users know."""
+
+
+def record_stats(load: ChainLoad | None) -> dict[str, int]:
+    """The statistics of a load that ran ``load`` (None: nothing read yet, as a load starts or
+    when it is refused before it is planned), recorded as :data:`last_load_stats`; a copy,
+    for the load to return."""
+    stats = dict.fromkeys(STATS, 0) if load is None else dict(load.stats)
+    last_load_stats.clear()
+    last_load_stats.update(stats)
+    return stats
+
+
 def load_chain(
     links: list[Link],
     targets: list[Target],
@@ -258,8 +276,9 @@ def load_chain(
     chunk_bytes: int,
     progress: Progress | None,
     method: str = "load_checkpoint",
-) -> dict[str, object]:
-    """Load the chain ``links`` (head first) into ``targets``; the head's extra state."""
+) -> tuple[dict[str, object], dict[str, int]]:
+    """Load the chain ``links`` (head first) into ``targets``; the head's extra state and
+    the load's statistics (:class:`ChainLoad`), recorded also when it fails."""
     head = links[0]
     tables: list[ChainTable] = []
     views = []
@@ -284,10 +303,13 @@ def load_chain(
         for target in views:  # a read-only view: its rows arrived with the whole rows
             target.view.ignored_writes += head.manifest["views"].get(target.name, {}).get("rows", 0)
 
-    empty = load_all_or_nothing([table.store for table in tables], load.verify, apply)
+    try:
+        empty = load_all_or_nothing([table.store for table in tables], load.verify, apply)
+    finally:  # also when the load fails: what it read before it did
+        stats = record_stats(load)
     if empty and id_range is None:  # each store now is the head checkpoint: deltas can follow it
         set_marks([table.store for table in tables], head.digest)
-    return extra
+    return extra, stats
 
 
 def chain_extra(links: list[Link]) -> dict[str, object]:

@@ -43,7 +43,9 @@ from leanstate.checkpoint._chain import (
     base_chain,
     chain_extra,
     check_delta_base,
+    last_load_stats,  # noqa: F401 - the same dict, by the name users import from here
     read_chain,
+    record_stats,
     set_marks,
 )
 from leanstate.checkpoint._chunks import TableRead, bucket_major, buckets_of, read_chunks, write_store
@@ -263,7 +265,7 @@ def load_sharded(
     process_group: dist.ProcessGroup | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     head: tuple[dict, str] | None = None,
-) -> dict[str, object]:
+) -> tuple[dict[str, object], dict[str, int]]:
     """Load this rank's share of ``tables`` from a checkpoint of any world size. Call on every
     rank (``process_group=None``: one process, which owns every id and reads every chunk).
 
@@ -271,8 +273,8 @@ def load_sharded(
     is read and only owned rows are applied. A delta loads its whole chain: from every
     link the same chunks, and the removed ids of the buckets this rank owns. ``head``:
     the checkpoint's manifest and its digest, when the caller has read them already.
-    Returns the extra state; the statistics of the load are in :data:`last_load_stats`
-    (this rank's bytes and chunks read). If any rank fails, every rank raises and rows
+    Returns the extra state and the statistics of the load (this rank's bytes and chunks
+    read, rows loaded; also in ``last_load_stats``, failed or not). If any rank fails, every rank raises and rows
     loaded into empty stores are removed. After a load into stores empty on every rank,
     each store's change mark is at the loaded checkpoint; any other load leaves the marks
     where they were (every row it wrote is a change tracked since them).
@@ -319,10 +321,10 @@ def load_sharded(
             method=method,
         )
     finally:  # also when the load fails: what this rank read before it did
-        _record(loads[0].stats if loads else {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0})
+        stats = record_stats(loads[0] if loads else None)
     if empty:  # each rank's stores now are its share of the head: deltas can follow it
         set_marks(stores, links[0].digest)
-    return extra
+    return extra, stats
 
 
 def link_table(link, name: str, table: BucketedTable, rank: int, world: int):
@@ -370,16 +372,6 @@ def _owned_by(table: BucketedTable, rank: int, world: int):
     return lambda ids: table.owner(ids, world) == rank
 
 
-def _record(stats: dict[str, int]) -> None:
-    last_load_stats.clear()
-    last_load_stats.update(stats)
-
-
-last_load_stats: dict[str, int] = {}
-"""This process's statistics of its last ``load_sharded``, failed or not: bytes and chunks
-read, rows loaded (``leanstate.last_load_stats`` is this same dict)."""
-
-
 def check_table(path: Path, name: str, saved: dict, table: BucketedTable) -> None:
     check_layout(path / MANIFEST, name, saved, table.store)
     bucketing = saved.get("bucketing")
@@ -417,10 +409,11 @@ def load_into_plain(
     targets: list[Target],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> dict[str, object]:
+) -> tuple[dict[str, object], dict[str, int]]:
     """Load a version-2 checkpoint or chain (its head's ``manifest`` and ``digest`` already
     read) into plain stores (or whole-row KVTensors) in one process: every rank's file of
-    every link is read, every row applied, with the same checks and all-or-nothing."""
+    every link is read, every row applied, with the same checks and all-or-nothing. The
+    extra state and the load's statistics."""
     bucketed = {}
     for target in targets:
         if target.view is not None and target.view.read_only:

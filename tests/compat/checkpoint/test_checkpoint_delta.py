@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from leanstate import _backends
 from leanstate.checkpoint import _chain as _checkpoint_chain
-from leanstate.checkpoint import compact_checkpoint, load_checkpoint, save_checkpoint
+from leanstate.checkpoint import compact_checkpoint, last_load_stats, load_checkpoint, save_checkpoint
 from leanstate.kv_store import KVStore
 from leanstate.reference import delta_checkpoint as textbook
 from leanstate.reference.checkpoint import CheckpointError
@@ -71,6 +71,44 @@ def test_a_chain_load_reads_each_links_manifest_once(tmp_path):
         load_checkpoint(base, {"t": fresh})
     assert manifests_read(opened) == {"l0": 1, "l1": 1, "l2": 1}
     assert_same(fresh, store)
+
+
+def test_every_load_returns_its_statistics_and_records_the_last(tmp_path):
+    """A version-1 load returns what it read (each chunk of every link once, the rows it
+    applied), as a version-2 load does; ``last_load_stats`` is the last load's, and a load
+    refused before it reads records nothing read, not the previous load's figures."""
+    store = new_store()
+    base = None
+    for link in range(3):
+        ids = torch.arange(link, 40, 3)
+        store.set(ids, torch.full((len(ids), DIM), float(link)))
+        store.delete(torch.tensor([link * 7]))
+        save_checkpoint(
+            tmp_path / f"l{link}", {"t": store}, base=base, chunk_bytes=10 * store.layout.row_bytes
+        )
+        base = tmp_path / f"l{link}"
+    tables = [json.loads((tmp_path / f"l{k}" / "manifest.json").read_text())["tables"]["t"] for k in range(3)]
+    expected = {
+        "bytes_read": sum(t["rows"] for t in tables) * store.layout.row_bytes,
+        "chunks_read": sum(len(t["chunks"]) for t in tables),
+        "rows_loaded": sum(t["rows"] for t in tables),  # into an empty store: each link's rows applied
+    }
+    links = _checkpoint_chain.read_chain(base)
+    targets = [_checkpoint_chain.Target("t", new_store(), None)]
+    extra, stats = _checkpoint_chain.load_chain(
+        links, targets, id_range=None, chunk_bytes=2**20, progress=None
+    )
+    assert extra == {} and stats == expected and stats["chunks_read"] > 3
+    assert _checkpoint_chain.last_load_stats == expected
+    load_checkpoint(tmp_path / "l0", {"t": new_store()})  # the last load's figures replace them
+    assert last_load_stats == {
+        "bytes_read": tables[0]["rows"] * store.layout.row_bytes,
+        "chunks_read": len(tables[0]["chunks"]),
+        "rows_loaded": tables[0]["rows"],
+    }
+    with pytest.raises(CheckpointError, match="table 'u' is not in"):
+        load_checkpoint(base, {"u": new_store()})
+    assert last_load_stats == {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
 
 
 OPS = st.lists(
