@@ -18,6 +18,7 @@ from leanstate.reference.row_format import RowLayout
 
 FORMAT_NAME = "leanstate-whole-row"
 FORMAT_VERSION = 1
+ACROSS_RANKS_VERSION = 2  # a checkpoint saved across ranks (spec/sharding.md)
 MANIFEST = "manifest.json"
 EXTRA_FILE = "extra.pt"
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # a save cuts its files into chunks of at most this
@@ -117,8 +118,8 @@ def manifest_problem(manifest: object) -> str | None:
         return f"the key {missing!r} is missing"
     if manifest["format"] != FORMAT_NAME:
         return f"format {manifest['format']!r} is not {FORMAT_NAME!r}"
-    if manifest["version"] == 2 and is_json_int(manifest["version"]):
-        return "version 2 was saved across ranks: load it with leanstate.load_checkpoint(..., process_group=)"
+    if manifest["version"] == ACROSS_RANKS_VERSION and is_json_int(manifest["version"]):
+        return f"version {ACROSS_RANKS_VERSION} was saved across ranks: load it with leanstate.load_checkpoint(..., process_group=)"
     if not is_json_int(manifest["version"]) or manifest["version"] != FORMAT_VERSION:
         return f"version must be the JSON integer {FORMAT_VERSION}; got {manifest['version']!r}"
     return body_problem(manifest, delta=False)

@@ -190,31 +190,36 @@ def test_the_error_check_catches_an_import_through_another_module(tmp_path):
 
 
 CHECKPOINT_PACKAGES = ("compat/checkpoint", "compat/dcp")
-
-
-def mark_assignments(path: Path) -> list[str]:
-    """Where ``path`` sets a store's change mark (``x.mark = ...``) outside ``set_marks``."""
-    tree = ast.parse(path.read_text())
-    allowed = {
-        id(node)
-        for function in ast.walk(tree)
-        if isinstance(function, ast.FunctionDef) and function.name == "set_marks"
-        for node in ast.walk(function)
-    }
-    return [
-        f"{path.name}:{node.lineno}"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and id(node) not in allowed
-        and any(isinstance(t, ast.Attribute) and t.attr == "mark" for t in node.targets)
-    ]
-
-
-@pytest.mark.parametrize(
+each_checkpoint_module = pytest.mark.parametrize(
     "path",
     [p for p in MODULES if p.parent.relative_to(ROOT).as_posix() in CHECKPOINT_PACKAGES],
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
+
+
+def _outside(path: Path, functions: tuple[str, ...]) -> list[ast.AST]:
+    """The nodes of ``path`` that lie outside every function named in ``functions``."""
+    tree = ast.parse(path.read_text())
+    inside = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef) and function.name in functions
+        for node in ast.walk(function)
+    }
+    return [node for node in ast.walk(tree) if id(node) not in inside]
+
+
+def mark_assignments(path: Path) -> list[str]:
+    """Where ``path`` sets a store's change mark (``x.mark = ...``) outside ``set_marks``."""
+    return [
+        f"{path.name}:{node.lineno}"
+        for node in _outside(path, ("set_marks",))
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "mark" for t in node.targets)
+    ]
+
+
+@each_checkpoint_module
 def test_checkpoints_set_marks_in_one_place(path):
     """Saves, loads and the follower of both versions move the marks through set_marks."""
     assert mark_assignments(path) == []
@@ -227,6 +232,33 @@ def test_the_mark_check_catches_a_mark_set_elsewhere(tmp_path):
         "def apply(store, digest):\n    store.mark = digest\n"
     )
     assert mark_assignments(module) == ["marks.py:5"]
+
+
+def change_captures(path: Path) -> list[str]:
+    """Where ``path`` captures what a save writes (``x.next_epoch()``, ``x.changes(...)``)
+    outside the one writer (``_writer.write_checkpoint``) and ``set_marks``."""
+    return [
+        f"{path.name}:{node.lineno}: {node.func.attr}"
+        for node in _outside(path, ("write_checkpoint", "set_marks"))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("next_epoch", "changes")
+    ]
+
+
+@each_checkpoint_module
+def test_every_save_goes_through_the_one_writer(path):
+    """Full and delta saves of both versions capture epochs and changes in write_checkpoint."""
+    assert change_captures(path) == []
+
+
+def test_the_writer_check_catches_a_save_of_its_own(tmp_path):
+    module = tmp_path / "saves.py"
+    module.write_text(
+        "def write_checkpoint(stores):\n    return [s.next_epoch() for s in stores]\n"
+        "def save_delta(store):\n    epoch = store.next_epoch()\n    return epoch, store.changes(since=0)\n"
+    )
+    assert change_captures(module) == ["saves.py:4: next_epoch", "saves.py:5: changes"]
 
 
 def _backend_of(module: str) -> str | None:

@@ -25,12 +25,11 @@ from pathlib import Path
 from leanstate._numpy import require
 from leanstate.checkpoint._arguments import Target, check_id_range, chunks_in_range, targets_of
 from leanstate.checkpoint._chain import (
+    delta_base,
     last_load_stats,
     load_chain,
     read_chain,
     record_stats,
-    save_delta,
-    write_checkpoint,
 )
 from leanstate.checkpoint._chunks import TableRead, read_chunks
 from leanstate.checkpoint._compaction import compact
@@ -47,6 +46,7 @@ from leanstate.checkpoint._format import (
     check_chunk_bytes,
 )
 from leanstate.checkpoint._module_tables import restore_module_extra, with_module_extra
+from leanstate.checkpoint._writer import OneProcess, write_checkpoint
 from leanstate.checkpoint.sharded import load_into_plain, load_sharded, save_sharded
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
@@ -120,28 +120,10 @@ def save_checkpoint(
     views = {t.name: _view_entry(t, whole, method) for t in targets if t.name not in whole}
     extra_bytes = None if extra is None else extra_bytes_of(extra, method)
     path = checked_target(path, method)
-    if base is not None:
-        return save_delta(
-            path,
-            whole,
-            views,
-            base,
-            extra_bytes,
-            chunk_bytes=chunk_bytes,
-            pipelined=pipelined,
-            progress=progress,
-            method=method,
-        )
-    return write_checkpoint(
-        path,
-        whole,
-        views,
-        extra_bytes,
-        chunk_bytes=chunk_bytes,
-        pipelined=pipelined,
-        progress=progress,
-        method=method,
-    )
+    stores = {name: target.store for name, target in whole.items()}
+    entry = None if base is None else delta_base(path, stores, base, method)
+    layout = OneProcess(views, extra_bytes, chunk_bytes=chunk_bytes, pipelined=pipelined, progress=progress)
+    return write_checkpoint(path, stores, layout, base=entry, method=method)
 
 
 def _view_entry(target: Target, whole: dict[str, Target], method: str) -> dict:

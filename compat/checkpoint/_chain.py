@@ -17,13 +17,12 @@ each id the newest link decides.
   is verified first and the merge of the whole chain upserted (a removal then leaves
   the store's own row of that id alone: the chain loads as its compaction would);
 - compaction, the merge written as one full checkpoint, is ``_compaction``'s;
-- :func:`save_delta` writes the rows a store changed since its change mark.
+- :func:`delta_base` checks what a version-1 delta needs of its base; the one writer of
+  both versions, full or delta, is ``_writer``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -35,29 +34,20 @@ import torch
 from leanstate.checkpoint._arguments import Target, check_layout, chunks_in_range, in_range
 from leanstate.checkpoint._chunks import (
     TableRead,
-    write_store,
 )
 from leanstate.checkpoint._files import (
-    publish,
     read_extra,
     read_manifest_and_digest,
-    staged,
-    write_extra,
 )
 from leanstate.checkpoint._format import (
-    DELTA_FORMAT,
     DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST,
-    REMOVED_SUFFIX,
     SLICE_BYTES,
     Progress,
     is_delta,
-    table_entry,
 )
 from leanstate.checkpoint._load import apply_tables, load_all_or_nothing, verify_table
-from leanstate.checkpoint._merge import LinkTable, apply_merge, merged, write_removed
+from leanstate.checkpoint._merge import LinkTable, apply_merge, merged
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
@@ -371,104 +361,24 @@ def verify_chain(links: list[Link]) -> Iterator[Link]:
 # -- save ---------------------------------------------------------------------------------
 
 
-def save_delta(
-    path: Path,
-    whole: Mapping[str, Target],
-    views: dict,
-    base: object,
-    extra_bytes: bytes | None,
-    *,
-    chunk_bytes: int,
-    pipelined: bool,
-    progress: Progress | None,
-    method: str,
-) -> Path:
-    """Write the rows each store changed since its change mark at ``base`` (``spec/
-    checkpoint_format.md``, "Delta checkpoints", Save); move the marks once published."""
+def delta_base(path: Path, stores: Mapping[str, SupportsRows], base: object, method: str) -> dict:
+    """A version-1 delta's ``base`` entry (``{path, manifest_sha256}``), once ``base`` is a
+    version-1 checkpoint that a delta of ``stores`` at ``path`` may extend (``spec/
+    checkpoint_format.md``, "Delta checkpoints", Save); else a ``ValueError`` (a
+    ``TypeError`` for a ``base`` that is not a path)."""
     if not isinstance(base, str | os.PathLike):
         raise TypeError(f"{method}: base must be the path of a checkpoint (str or os.PathLike); got {base!r}")
     base = Path(base)
     links = base_chain(base, method)
     if links[0].version == 2:
         raise ValueError(f"{method}: base {base} was saved across ranks; save its delta with process_group=")
-    stores = {name: target.store for name, target in whole.items()}
-    saved, digest = links[0].manifest["tables"], links[0].digest
+    saved = links[0].manifest["tables"]
 
     def matches(name: str) -> None:
         check_layout(base / saved[name]["file"], name, saved[name], stores[name])
 
     check_delta_base(path, links, stores, matches, f"{method}: ")
-    entry = {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": digest}
-    return write_checkpoint(
-        path,
-        whole,
-        views,
-        extra_bytes,
-        base=entry,
-        chunk_bytes=chunk_bytes,
-        pipelined=pipelined,
-        progress=progress,
-        method=method,
-    )
-
-
-def write_checkpoint(
-    path: Path,
-    whole: Mapping[str, Target],
-    views: dict,
-    extra_bytes: bytes | None,
-    *,
-    base: dict | None = None,
-    chunk_bytes: int,
-    pipelined: bool,
-    progress: Progress | None,
-    method: str,
-) -> Path:
-    """The one writer of a version-1 checkpoint, full or delta, staged and published
-    atomically; the stores' marks moved to it once published.
-
-    ``base`` None: a full checkpoint, every row. Else the delta's ``base`` entry (``{path,
-    manifest_sha256}``, checked by the caller): each store's rows written since its change
-    mark, and the ids removed since it (with those deleted while saving)."""
-    epochs, changes = {}, {}
-    for name, target in whole.items():  # before any row is read: later writes go to the next save
-        epochs[name] = target.store.next_epoch()
-        if base is not None:
-            changes[name] = target.store.changes(since=target.store.mark.epoch)
-    with staged(path, method) as staging:
-        manifest = {
-            "format": FORMAT_NAME if base is None else DELTA_FORMAT,
-            "version": FORMAT_VERSION,
-            **({} if base is None else {"base": base}),
-            "tables": {},
-            "views": views,
-            "extra": None,
-        }
-        for name, target in whole.items():
-            written, removed = changes.get(name, (None, None))
-            file = staging / f"{name}.rows"
-            dropped: list[torch.Tensor] | None = None if base is None else []
-            report = None if progress is None else (lambda done, total, n=name: progress(n, done, total))
-            chunks = write_store(
-                target.store,
-                file,
-                chunk_bytes,
-                keys=written,
-                dropped=dropped,
-                pipelined=pipelined,
-                progress=report,
-            )
-            entry = table_entry(target.store.layout, file, chunks)
-            if base is not None:
-                gone = torch.unique(torch.cat([removed.cpu(), *dropped])).numpy()  # ascending
-                entry["removed"] = write_removed(staging / f"{name}{REMOVED_SUFFIX}", gone)
-            manifest["tables"][name] = entry
-        if extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, extra_bytes)
-        data = json.dumps(manifest, indent=1).encode()
-        publish(staging, path, manifest=data)
-    set_marks([t.store for t in whole.values()], hashlib.sha256(data).hexdigest(), [epochs[n] for n in whole])
-    return path
+    return {"path": Path(os.path.relpath(base, path)).as_posix(), "manifest_sha256": links[0].digest}
 
 
 def base_chain(base: Path, method: str) -> list[Link]:

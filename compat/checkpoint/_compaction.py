@@ -22,8 +22,8 @@ from leanstate.checkpoint._chunks import ChunkFile, buckets_of, rows_per_chunk
 from leanstate.checkpoint._files import checked_target, publish, read_extra_bytes, staged, write_extra
 from leanstate.checkpoint._format import DTYPES, FORMAT_NAME, FORMAT_VERSION, table_entry
 from leanstate.checkpoint._merge import LinkTable, merged
-from leanstate.checkpoint.sharded import link_table, new_manifest
-from leanstate.checkpoint.sharded import table_entry as sharded_table_entry
+from leanstate.checkpoint._writer import new_manifest, sharded_table_entry
+from leanstate.checkpoint.sharded import link_table
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.row_format import RowLayout
 

@@ -19,6 +19,7 @@ import torch
 
 from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint_manifest import (
+    ACROSS_RANKS_VERSION,
     CHUNK_KEYS,
     DEFAULT_CHUNK_BYTES,
     DTYPES,
@@ -37,6 +38,7 @@ from leanstate.reference.row_format import RowLayout, header_words
 
 # the format's facts, defined once in the textbook
 __all__ = [
+    "ACROSS_RANKS_VERSION",
     "DEFAULT_CHUNK_BYTES",
     "DELTA_FORMAT",
     "DTYPES",
@@ -254,7 +256,11 @@ def id_ends_problem(key: str, entry: dict, ends: tuple[int, int] | None) -> str 
 
 def saved_across_ranks(manifest: object) -> bool:
     """Whether a parsed manifest says version 2 (the JSON integer 2): a sharded save."""
-    return isinstance(manifest, dict) and is_count(manifest.get("version")) and manifest["version"] == 2
+    return (
+        isinstance(manifest, dict)
+        and is_count(manifest.get("version"))
+        and manifest["version"] == ACROSS_RANKS_VERSION
+    )
 
 
 def manifest_problem(manifest: object) -> str | None:

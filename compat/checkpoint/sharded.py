@@ -25,8 +25,6 @@ Example (on every rank)::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,26 +46,23 @@ from leanstate.checkpoint._chain import (
     record_stats,
     set_marks,
 )
-from leanstate.checkpoint._chunks import TableRead, bucket_major, buckets_of, read_chunks, write_store
+from leanstate.checkpoint._chunks import TableRead, buckets_of, read_chunks
 from leanstate.checkpoint._files import read_manifest
 from leanstate.checkpoint._format import (
-    CHECKSUM,
+    ACROSS_RANKS_VERSION,
     DEFAULT_CHUNK_BYTES,
-    DELTA_FORMAT,
     MANIFEST,
-    REMOVED_SUFFIX,
     SLICE_BYTES,
     check_chunk_bytes,
-    layout_fields,
 )
 from leanstate.checkpoint._load import load_all_or_nothing
-from leanstate.checkpoint._merge import LinkTable, write_removed
-from leanstate.checkpoint._ranks import broadcast, from_every_rank, staged_by_rank_0
-from leanstate.reference.checkpoint import FORMAT_NAME
+from leanstate.checkpoint._merge import LinkTable
+from leanstate.checkpoint._ranks import from_every_rank
+from leanstate.checkpoint._writer import AcrossRanks, write_checkpoint
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.sharding import bucket_range, owner_of_bucket
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = ACROSS_RANKS_VERSION
 
 
 def check_sharded_tables(tables: Mapping[str, BucketedTable], method: str) -> None:
@@ -77,24 +72,6 @@ def check_sharded_tables(tables: Mapping[str, BucketedTable], method: str) -> No
             "(name -> BucketedTable)"
         )
     targets_of({name: t.store for name, t in tables.items()}, method)  # the names' rules
-
-
-def _write_rank_file(table: BucketedTable, file: Path, chunk_bytes: int, changes=None) -> dict:
-    """This rank's rows of one table, bucket-major, chunks within one bucket; the file's entry.
-
-    ``changes``: a delta's ``(written, removed)`` ids: only the written ids' rows, and the
-    removed ids (with those deleted while saving) in ``<table>.rank<r>.removed``, in the
-    same (bucket, id) order."""
-    bucketing = (table.buckets, table.bucket_size)
-    keys, dropped = (None, None) if changes is None else (changes[0], [])
-    chunks = write_store(table.store, file, chunk_bytes, keys=keys, dropped=dropped, bucketing=bucketing)
-    row_bytes = table.store.layout.row_bytes
-    entry = {"file": file.name, "bytes": sum(c["rows"] for c in chunks) * row_bytes, "chunks": chunks}
-    if changes is not None:
-        gone = torch.unique(torch.cat([changes[1].cpu(), *dropped]))  # ascending, then bucket-major
-        removed = file.with_name(file.name.removesuffix(".rows") + REMOVED_SUFFIX)
-        entry["removed"] = write_removed(removed, bucket_major(gone, bucketing)[0].numpy())
-    return entry
 
 
 def _delta_base(path: Path, base: Path, tables: Mapping[str, BucketedTable]) -> dict:
@@ -139,7 +116,7 @@ def save_sharded(
     check_chunk_bytes(method, chunk_bytes)
     if base is not None and not isinstance(base, str | os.PathLike):
         raise TypeError(f"{method}: base must be the path of a checkpoint (str or os.PathLike); got {base!r}")
-    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
     path = Path(path)
     delta, problem = None, None
     if base is not None:
@@ -152,107 +129,15 @@ def save_sharded(
         failed = [p for p in from_every_rank(problem, process_group) if p is not None]
         if failed:  # every rank refuses, naming the first rank that found a problem
             raise ValueError(f"{method}: the delta cannot be saved: {failed[0]}")
-    # Before any row is read: what is written from now on belongs to the next checkpoint.
-    epochs = {name: table.store.next_epoch() for name, table in tables.items()}
-    changes = {}
-    if delta is not None:
-        changes = {name: table.store.changes(since=table.store.mark.epoch) for name, table in tables.items()}
-    extra_bytes = []  # rank 0's, serialised (and checked) before any rank writes
-
-    def prepare() -> Path:
-        checked = files.checked_target(path, method)
-        if extra is not None:
-            extra_bytes.append(files.extra_bytes_of(extra, method))
-        return checked
-
-    with staged_by_rank_0(path, method, process_group, prepare) as staging:
-        written, problem = {}, None
-        try:
-            for name, table in tables.items():
-                file = staging / f"{name}.rank{rank}.rows"
-                written[name] = _write_rank_file(table, file, chunk_bytes, changes.get(name))
-        except Exception as exc:
-            problem = f"rank {rank}: writing {file.name}: {type(exc).__name__}: {exc}"
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(
-            (problem, written), gathered, dst=dist.get_global_rank(process_group, 0), group=process_group
-        )
-        outcome, digest = None, None
-        if rank == 0:
-            outcome = next((p for p, _ in gathered if p is not None), None)
-            try:
-                if outcome is None:
-                    digest = _commit(
-                        path,
-                        staging,
-                        tables,
-                        [f for _, f in gathered],
-                        world,
-                        extra_bytes[0] if extra_bytes else None,
-                        delta,
-                    )
-            except Exception as exc:
-                outcome = f"rank 0: {type(exc).__name__}: {exc}"
-        outcome, digest = broadcast((outcome, digest), process_group)
-        if outcome is not None:  # (on rank 0, leaving the block removes the staging directory)
-            raise CheckpointError(f"{method}: the save across ranks failed ({outcome}); {path} is unchanged")
-    # published: each store's changes are tracked since it
-    set_marks([table.store for table in tables.values()], digest, [epochs[name] for name in tables])
-    return path
-
-
-def _file_entry(written: dict, rank: int) -> dict:
-    """A rank's file entry in the manifest: file, bytes, chunks, rank (and a delta's removed)."""
-    entry = {key: written[key] for key in ("file", "bytes", "chunks")}
-    entry["rank"] = rank
-    if "removed" in written:
-        entry["removed"] = written["removed"]
-    return entry
-
-
-def _commit(
-    path: Path, staging: Path, tables, files_by_rank: list[dict], world: int, extra_bytes, delta: dict | None
-) -> str:
-    """Rank 0, once every rank has fsynced its files: extra, manifest last, rename into
-    place; the SHA-256 of the manifest's bytes."""
-    manifest = new_manifest(world, delta)
-    for name, table in tables.items():
-        bucketing = (table.buckets, table.bucket_size)
-        written = [by_rank[name] for by_rank in files_by_rank]
-        manifest["tables"][name] = table_entry(table.store.layout, bucketing, written)
-    if extra_bytes is not None:
-        manifest["extra"] = files.write_extra(staging, extra_bytes)
-    data = json.dumps(manifest, indent=1).encode()
-    files.publish(staging, path, manifest=data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def new_manifest(world: int, delta: dict | None = None) -> dict:
-    """A version-2 manifest of ``world`` ranks (a delta's with its ``base`` entry), its
-    tables and extra still to fill in: the keys in the order every save writes them."""
-    return {
-        "format": FORMAT_NAME if delta is None else DELTA_FORMAT,
-        "version": FORMAT_VERSION,
-        "world_size": world,
-        **({} if delta is None else {"base": delta}),
-        "tables": {},
-        "extra": None,
-    }
-
-
-def table_entry(layout, bucketing: tuple[int, int | None], written_by_rank: list[dict]) -> dict:
-    """A table's version-2 manifest entry from each rank's file entry (rank order)."""
-    per_rank = [_file_entry(written, r) for r, written in enumerate(written_by_rank)]
-    return {
-        **layout_fields(layout),
-        "rows": sum(c["rows"] for f in per_rank for c in f["chunks"]),
-        "checksum": CHECKSUM,
-        "bucketing": {"buckets": bucketing[0], "bucket_size": bucketing[1]},
-        "files": per_rank,
-    }
-
-
-# -- compaction ---------------------------------------------------------------------------
+    stores = {name: table.store for name, table in tables.items()}
+    layout = AcrossRanks(
+        tables,
+        process_group,
+        extra,
+        chunk_bytes=chunk_bytes,
+        checked_target=lambda: files.checked_target(path, method),
+    )
+    return write_checkpoint(path, stores, layout, base=delta, method=method)
 
 
 # -- load ---------------------------------------------------------------------------------
