@@ -46,6 +46,7 @@ import torch
 
 from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint_manifest import (
+    CHECKSUM,
     CHECKSUMS,
     DEFAULT_CHUNK_BYTES,
     DTYPES,
@@ -193,7 +194,7 @@ def write_table(
         "bytes": offset,
         "min_id": chunks[0]["min_id"] if chunks else None,
         "max_id": chunks[-1]["max_id"] if chunks else None,
-        "checksum": "crc32c",
+        "checksum": CHECKSUM,
         "chunks": chunks,
     }
     return entry, dropped

@@ -24,8 +24,9 @@ EXTRA_FILE = "extra.pt"
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # a save cuts its files into chunks of at most this
 MAX_NAME_BYTES = 200  # a table file is NAME.rows, and file names stop at 255 bytes
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# new chunks are written with CRC-32C; CRC-32 (zlib) is still read
-CHECKSUMS = {"crc32c": lambda data: crc32c.crc32c(data), "crc32": zlib.crc32}
+CHECKSUM = "crc32c"  # new chunks are written with CRC-32C; CRC-32 (zlib) is still read
+# name -> checksum(data, running value=0): a chunk's checksum, or one continued over more bytes
+CHECKSUMS = {"crc32c": lambda data, crc=0: crc32c.crc32c(data, value=crc), "crc32": zlib.crc32}
 MAX_DEPTH = 64  # R2: a writer nests 4 deep; deeper is refused whatever the parser could take
 MAX_INT_DIGITS = 4300  # R2: CPython's default limit, stated so that every reader has it
 # R3: every key of each object, all required (what a reader does not list it ignores)

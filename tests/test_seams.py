@@ -261,6 +261,59 @@ def test_the_writer_check_catches_a_save_of_its_own(tmp_path):
     assert change_captures(module) == ["saves.py:4: next_epoch", "saves.py:5: changes"]
 
 
+TEXTBOOK_FORMAT = (
+    "reference/checkpoint_manifest.py",
+    "reference/delta_checkpoint.py",
+    "reference/checkpoint.py",
+)
+
+
+def _constants(tree: ast.Module) -> dict[str, ast.expr]:
+    """A module's top-level UPPER_CASE assignments: name -> the value's expression."""
+    found = {}
+    for node in tree.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id.isupper() and node.value is not None:
+                found[target.id] = node.value
+    return found
+
+
+def restated_facts(path: Path, textbook: list[Path]) -> list[str]:
+    """``file:line: NAME`` where ``path`` gives one of the textbook's format constants a value
+    of its own (an alias of an imported name is not a second definition)."""
+    facts = {name for book in textbook for name in _constants(ast.parse(book.read_text()))}
+    return [
+        f"{path.name}:{value.lineno}: {name}"
+        for name, value in _constants(ast.parse(path.read_text())).items()
+        if name in facts and not isinstance(value, ast.Name)
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.parent == ROOT / "compat/checkpoint"], ids=lambda p: p.name
+)
+def test_the_checkpoint_core_defines_no_format_fact_twice(path):
+    """Every constant of the format is the textbook's, imported; none restated beside it."""
+    assert restated_facts(path, [ROOT / book for book in TEXTBOOK_FORMAT]) == []
+
+
+def test_the_fact_check_catches_a_restated_constant(tmp_path):
+    book, module = tmp_path / "book.py", tmp_path / "core.py"
+    book.write_text("MAX_NAME_BYTES = 200\nFORMAT_VERSION = 1\n")
+    module.write_text(
+        "from book import FORMAT_VERSION\nVERSION_TWO = 2\nSAME = FORMAT_VERSION\n"
+        "FORMAT_VERSION = FORMAT_VERSION\nMAX_NAME_BYTES: int = 200\n"
+    )
+    assert restated_facts(module, [book]) == ["core.py:5: MAX_NAME_BYTES"]
+
+
 def _backend_of(module: str) -> str | None:
     """The backend an ``accelerated`` engine module belongs to (``numba_cuda_kv_store`` ->
     ``numba_cuda``), or None for a shared private module."""

@@ -42,6 +42,7 @@ from leanstate.checkpoint._files import (
 from leanstate.checkpoint._format import (
     DTYPES,
     MANIFEST,
+    MAX_CHAIN_LINKS,
     SLICE_BYTES,
     Progress,
     is_delta,
@@ -51,8 +52,6 @@ from leanstate.checkpoint._merge import LinkTable, apply_merge, merged
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.kv_store import ChangeMark, SupportsRows
 from leanstate.reference.row_format import RowLayout
-
-MAX_LINKS = 1000
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,15 @@ def read_chain(
     is given: the caller read it to learn the version) and checked against its schema; a base
     must exist, have the digest its delta names, be of the head's version (1 or 2: a chain
     is saved by one process, or across ranks, throughout) and not lead back into the chain;
-    at most ``MAX_LINKS`` links."""
+    at most ``MAX_CHAIN_LINKS`` links."""
     manifest, digest = read_manifest_and_digest(path)[1:] if head is None else head
     links = [Link(Path(path), manifest, digest)]
     visited = {os.path.realpath(path)}
     while links[-1].delta:
         link = links[-1]
-        if len(links) >= MAX_LINKS:
+        if len(links) >= MAX_CHAIN_LINKS:
             raise CheckpointError(
-                f"{link.file}: the chain from {path} has more than {MAX_LINKS} links; compact it "
+                f"{link.file}: the chain from {path} has more than {MAX_CHAIN_LINKS} links; compact it "
                 "(leanstate.compact_checkpoint) and save deltas against the compacted checkpoint"
             )
         base = link.manifest["base"]

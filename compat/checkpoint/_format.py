@@ -10,16 +10,16 @@ reference by the differential tests.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-import crc32c
 import torch
 
 from leanstate.reference.arguments import int_argument
 from leanstate.reference.checkpoint_manifest import (
     ACROSS_RANKS_VERSION,
+    CHECKSUM,
+    CHECKSUMS,
     CHUNK_KEYS,
     DEFAULT_CHUNK_BYTES,
     DTYPES,
@@ -33,12 +33,19 @@ from leanstate.reference.checkpoint_manifest import (
     TOP_KEYS,
     VIEW_KEYS,
 )
-from leanstate.reference.delta_checkpoint import DELTA_FORMAT, REMOVED_KEYS
+from leanstate.reference.delta_checkpoint import (
+    DELTA_FORMAT,
+    MAX_BASE_PATH_BYTES,
+    MAX_CHAIN_LINKS,
+    REMOVED_KEYS,
+)
 from leanstate.reference.row_format import RowLayout, header_words
 
 # the format's facts, defined once in the textbook
 __all__ = [
     "ACROSS_RANKS_VERSION",
+    "CHECKSUM",
+    "CHECKSUMS",
     "DEFAULT_CHUNK_BYTES",
     "DELTA_FORMAT",
     "DTYPES",
@@ -46,17 +53,13 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST",
+    "MAX_BASE_PATH_BYTES",
+    "MAX_CHAIN_LINKS",
     "MAX_NAME_BYTES",
 ]
 # Loads read at most this much at a time: the read, the CRC and the upsert of a slice
 # stay in cache (measured faster than whole 64 MiB chunks).
 SLICE_BYTES = 4 * 2**20
-CHECKSUM = "crc32c"
-# name -> incremental checksum(data, running value); "crc32" (zlib) is read, not written.
-CHECKSUMS: dict[str, Callable[[bytes, int], int]] = {
-    "crc32c": lambda data, crc: crc32c.crc32c(data, value=crc),
-    "crc32": zlib.crc32,
-}
 
 
 Progress = Callable[[str, int, int], None]
@@ -385,7 +388,6 @@ def manifest_v2_problem(manifest: dict, format_name: str = FORMAT_NAME) -> str |
 
 DELTA_KEYS = ("format", "version", "base", "tables", "views", "extra")
 REMOVED_SUFFIX = ".removed"
-MAX_BASE_PATH_BYTES = 4096
 
 
 def is_delta(manifest: object) -> bool:

@@ -34,6 +34,7 @@ from leanstate.checkpoint._files import (
     write_synced,
 )
 from leanstate.checkpoint._format import (
+    CHECKSUM,
     DTYPES,
     EXTRA_FILE,
     MANIFEST,
@@ -58,6 +59,7 @@ __all__ = [
     "staged",
     "write_synced",
     # the format's facts and checks
+    "CHECKSUM",
     "DTYPES",
     "check_chunk_bytes",
     "is_delta",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from leanstate.checkpoint.core import (
+    CHECKSUM,
     TableRead,
     chunk_spans,
     gather,
@@ -75,4 +76,4 @@ class NativeRows:
     def known_crc(self, k: int) -> int | None:
         """The saved CRC-32C of chunk ``k`` (None for a CRC-32 table: DCP's index is CRC-32C)."""
         chunk = self.source.table["chunks"][k]
-        return chunk["crc"] if self.source.table["checksum"] == "crc32c" else None
+        return chunk["crc"] if self.source.table["checksum"] == CHECKSUM else None

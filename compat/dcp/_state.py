@@ -17,7 +17,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from leanstate.checkpoint.core import DTYPES, BucketedTable, layout_fields
+from leanstate.checkpoint.core import CHECKSUM, DTYPES, BucketedTable, layout_fields
 from leanstate.reference.kv_store import SupportsRows
 from leanstate.reference.kv_tensor import KVTensor
 from leanstate.reference.row_format import RowLayout
@@ -110,7 +110,7 @@ def schema_of(layout, bucketing: tuple[int, int | None] | None) -> dict:
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         **layout_fields(layout),
-        "checksum": "crc32c",
+        "checksum": CHECKSUM,
         # rows are ascending by (bucket, id) under this bucketing, or by id when None
         "bucketing": None if bucketing is None else list(bucketing),
     }

@@ -520,10 +520,10 @@ def test_a_table_missing_from_a_link_below_is_named(chain):
 
 def test_a_chain_longer_than_the_limit_is_refused(chain, monkeypatch):
     folder, store = chain
-    monkeypatch.setattr(_checkpoint_chain, "MAX_LINKS", 2)
+    monkeypatch.setattr(_checkpoint_chain, "MAX_CHAIN_LINKS", 2)
     with pytest.raises(CheckpointError, match="more than 2 links"):
         load_checkpoint(folder / "d2", {"t": new_store()})
-    monkeypatch.setattr(_checkpoint_chain, "MAX_LINKS", 3)
+    monkeypatch.setattr(_checkpoint_chain, "MAX_CHAIN_LINKS", 3)
     fresh = new_store()
     load_checkpoint(folder / "d2", {"t": fresh})
     assert_same(store, fresh)
