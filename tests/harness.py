@@ -20,9 +20,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from leanstate import KVStore
 from leanstate._tools.ranks import free_port, start_ranks
 
 VECTORS = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+
+
+class FailingRows(KVStore):
+    """A store whose rows cannot be read (a device lost mid-save, say)."""
+
+    def get_rows(self, ids, *args, **kwargs):
+        raise OSError("the device is gone")
 
 
 class FakeClock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
@@ -166,13 +166,13 @@ class AcrossRanks:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._checked_target, self._extra_bytes = checked_target, None
 
-    def _prepare(self) -> Path:  # rank 0, before the staging directory is made
-        target = self._checked_target()
+    def _prepare(self) -> Path:
+        # rank 0, before the staging directory is made; as in version 1, extra before the path
         if self.extra is not None:
             self._extra_bytes = extra_bytes_of(self.extra, "save_checkpoint")
-        return target
+        return self._checked_target()
 
-    def staged(self, path: Path, method: str) -> Iterator[Path]:
+    def staged(self, path: Path, method: str) -> AbstractContextManager[Path]:
         return staged_by_rank_0(path, method, self.group, self._prepare)
 
     def write_tables(

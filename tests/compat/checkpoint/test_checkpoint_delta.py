@@ -828,6 +828,40 @@ def test_an_id_deleted_while_a_delta_is_written_is_saved_as_removed(tmp_path, pi
     assert not bool(fresh.contains(torch.tensor([398]))[0])
 
 
+class WritesAfterItsSnapshot(KVStore):
+    """A store a trainer writes to the moment a save has taken its changes: ``then`` (ids,
+    weights) is set right after ``changes()`` answers, once."""
+
+    then: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def changes(self, since=None):
+        found = super().changes(since)
+        if self.then is not None:
+            ids, rows = self.then
+            self.then = None
+            self.set(ids, rows)
+        return found
+
+
+def test_a_write_just_after_a_save_took_its_changes_is_in_the_next_delta(tmp_path):
+    """A save ends the store's epoch before it asks for the changes: a row written after
+    they were taken belongs to the next epoch, so the next delta holds it. Kills: the
+    changes taken before the epoch ends (that write then falls in the epoch the mark
+    closes, and no delta ever saves it)."""
+    store = WritesAfterItsSnapshot(DIM, optimizer_state_dim=STATE, backend="reference", clock=FakeClock(100))
+    store.set(torch.arange(10), torch.zeros(10, DIM))
+    save_checkpoint(tmp_path / "0", {"t": store})
+    store.set(torch.tensor([3]), torch.ones(1, DIM))
+    store.then = (torch.tensor([7]), torch.full((1, DIM), 5.0))
+    save_checkpoint(tmp_path / "1", {"t": store}, base=tmp_path / "0")
+    assert store.then is None  # the write landed while the save ran
+    save_checkpoint(tmp_path / "2", {"t": store}, base=tmp_path / "1")
+    fresh = new_store()
+    load_checkpoint(tmp_path / "2", {"t": fresh})
+    assert_same(store, fresh)
+    assert torch.equal(fresh.get(torch.tensor([7]))[:, :DIM], torch.full((1, DIM), 5.0))
+
+
 @pytest.mark.parametrize("which", ["textbook", "hardened"])
 def test_a_removed_id_repeated_across_a_slice_boundary_is_refused(chain, which):
     """Removed ids read 8 to a slice (``chunk_bytes=64``): ids 7 and 8 of the file equal, so

@@ -4,14 +4,18 @@ the default group's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from leanstate import KVStore, load_checkpoint, save_checkpoint
 from leanstate.checkpoint._ranks import all_true, broadcast, from_every_rank, group_rank, staged_by_rank_0
+from leanstate.checkpoint.core import BucketedTable
 from leanstate.reference.checkpoint import CheckpointError
-from tests.harness import run_world
+from tests.harness import FailingRows, run_world
 
 
 def on_a_subgroup(rank: int, world: int, folder: str) -> None:
@@ -38,6 +42,39 @@ def on_a_subgroup(rank: int, world: int, folder: str) -> None:
             pass
 
 
+def saves_on_a_subgroup(rank: int, world: int, folder: str) -> None:
+    """A version-2 checkpoint and its delta saved by the subgroup [1, 2] (of 3 ranks) and
+    loaded back by it: a checkpoint of 2 ranks, rank 0 taking no part; a save that fails
+    on the group's rank 1 fails on both. Kills: the ranks' file entries gathered to global
+    rank 0, or over the default group; the group's rank 0 raising before it tells the
+    others the outcome."""
+    sub = dist.new_group([1, 2])
+    if rank == 0:
+        return
+    store = KVStore(4, optimizer_state_dim=1, seed=rank)
+    ids = torch.arange(40)
+    mine = ids[BucketedTable(store, 4, None).owner(ids, 2) == rank - 1]
+    store.set(mine, torch.full((len(mine), 4), float(rank)))
+    first, second = Path(folder, "sub-0"), Path(folder, "sub-1")
+    save_checkpoint(first, {"t": BucketedTable(store, 4, None)}, process_group=sub)
+    store.set(mine[:3], torch.full((3, 4), 9.0))
+    save_checkpoint(second, {"t": BucketedTable(store, 4, None)}, process_group=sub, base=first)
+    manifest = json.loads((second / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and [f["rank"] for f in manifest["tables"]["t"]["files"]] == [0, 1]
+    fresh = KVStore(4, optimizer_state_dim=1)
+    load_checkpoint(second, {"t": BucketedTable(fresh, 4, None)}, process_group=sub)
+    keys = store.keys().sort().values
+    assert torch.equal(fresh.keys().sort().values, keys)
+    assert torch.equal(fresh.get_rows(keys), store.get_rows(keys))
+    failing = FailingRows(4, optimizer_state_dim=1) if rank == 2 else store
+    failing.set(mine[:2], torch.ones(2, 4))
+    with pytest.raises(
+        CheckpointError, match=r"the save across ranks failed \(rank 1: writing t\.rank1\.rows"
+    ):
+        save_checkpoint(Path(folder, "sub-2"), {"t": BucketedTable(failing, 4, None)}, process_group=sub)
+    assert not Path(folder, "sub-2").exists()
+
+
 def on_the_default_group(rank: int, world: int, folder: str) -> None:
     assert group_rank(None) == (rank, world)
     assert broadcast(rank + 5, None) == 5
@@ -45,7 +82,11 @@ def on_the_default_group(rank: int, world: int, folder: str) -> None:
     assert from_every_rank(rank, None) == [rank]  # no group: this process only
 
 
-SCENARIOS = {"subgroup": on_a_subgroup, "default": on_the_default_group}
+SCENARIOS = {
+    "subgroup": on_a_subgroup,
+    "saves on a subgroup": saves_on_a_subgroup,
+    "default": on_the_default_group,
+}
 BY_WORLD = {3: list(SCENARIOS)}
 
 

@@ -15,7 +15,7 @@ import torch
 from leanstate import CheckpointError, KVStore, load_checkpoint, save_checkpoint
 from leanstate.checkpoint._bucketed_table import BucketedTable
 from leanstate.checkpoint.sharded import last_load_stats, load_sharded
-from tests.harness import one_rank_group
+from tests.harness import FailingRows, one_rank_group
 
 BUCKETS, BUCKET_SIZE = 8, 100  # ids 0..799: bucket = id // 100
 
@@ -132,19 +132,12 @@ def test_a_chunk_starting_at_the_previous_chunks_last_id_is_refused(saved, live)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
 
 
-class _FailingRows(KVStore):
-    """A store whose rows cannot be read (a device lost mid-save, say)."""
-
-    def get_rows(self, ids, *args, **kwargs):
-        raise OSError("the device is gone")
-
-
 def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank_and_changes_nothing(tmp_path, group):
     """A rank's write error reaches rank 0's agreement: the save raises, naming the rank and
     the file, the previous checkpoint at the path stays, and no store's mark moves."""
     save_checkpoint(tmp_path / "c", table_of(filled()), process_group=group)
     before = (tmp_path / "c" / "manifest.json").read_bytes()
-    failing = _FailingRows(4, optimizer_state_dim=1)
+    failing = FailingRows(4, optimizer_state_dim=1)
     failing.set(torch.arange(10), torch.ones(10, 4))
     mark = failing.mark
     with pytest.raises(
@@ -154,6 +147,22 @@ def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank_and_changes_not
     assert (tmp_path / "c" / "manifest.json").read_bytes() == before
     assert failing.mark == mark
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
+@pytest.mark.parametrize("across_ranks", [False, True])
+def test_a_save_checks_its_extra_state_before_its_path_in_both_versions(tmp_path, group, across_ranks):
+    """A call wrong twice (extra state that does not load back, a path that is a file) is
+    refused for its extra state by both versions, and writes nothing. Kills: version 2
+    checking the path first (one bad call, two different refusals)."""
+    (tmp_path / "c").write_text("a file")
+    store = filled()
+    bad = {"where": tmp_path}  # a Path does not load back with weights_only=True
+    options = {"process_group": group} if across_ranks else {}
+    tables = table_of(store) if across_ranks else {"t": store}
+    with pytest.raises((ValueError, CheckpointError), match="extra must load back") as refused:
+        save_checkpoint(tmp_path / "c", tables, extra=bad, **options)
+    assert "exists and is not a directory" not in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"] and (tmp_path / "c").read_text() == "a file"
 
 
 def test_with_a_process_group_plain_stores_are_refused_by_save_and_load(saved, group):
