@@ -165,6 +165,18 @@ def test_a_save_checks_its_extra_state_before_its_path_in_both_versions(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"] and (tmp_path / "c").read_text() == "a file"
 
 
+@pytest.mark.parametrize("across_ranks", [False, True])
+def test_a_save_checks_chunk_bytes_before_its_base_in_both_versions(tmp_path, group, across_ranks):
+    """A bad chunk_bytes and a base that is not a path: both versions refuse chunk_bytes.
+    Kills: version 2 checking the base's type first."""
+    store = filled()
+    options = {"process_group": group} if across_ranks else {}
+    tables = table_of(store) if across_ranks else {"t": store}
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        save_checkpoint(tmp_path / "c", tables, chunk_bytes=0, base=42, **options)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_with_a_process_group_plain_stores_are_refused_by_save_and_load(saved, group):
     """Across ranks the buckets decide who holds a row: plain stores, without their
     bucketing, are a TypeError saying what to pass, on save and on load alike."""
