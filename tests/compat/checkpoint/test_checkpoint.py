@@ -636,3 +636,49 @@ def test_compaction_names_a_source_that_is_not_a_path(tmp_path):
     with pytest.raises(TypeError, match="compact_checkpoint: src must be a str or os.PathLike; got int"):
         compact_checkpoint(7, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint", "compact_checkpoint"])
+def test_without_numpy_a_checkpoint_call_refuses_before_anything_else(tmp_path, monkeypatch, method):
+    """With numpy missing (as ``leanstate._numpy`` records it) a checkpoint call raises the
+    fix first: before it warns about ``backend=``, reads its arguments or touches a file.
+    Kills: the check left out, or made after the deprecation warning."""
+    import warnings
+
+    import leanstate
+    from leanstate import _numpy
+
+    store = KVStore(4)
+    store.set(torch.tensor([3]), torch.ones(1, 4))
+    save_checkpoint(tmp_path / "c", {"t": store})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setattr(_numpy, "_reason", ModuleNotFoundError("No module named 'numpy'"))
+    calls = {
+        "save_checkpoint": lambda: leanstate.save_checkpoint(tmp_path / "d", {"t": store}, backend="numba"),
+        "load_checkpoint": lambda: leanstate.load_checkpoint(
+            tmp_path / "c", {"t": KVStore(4)}, backend="numba"
+        ),
+        "compact_checkpoint": lambda: leanstate.compact_checkpoint(tmp_path / "c", tmp_path / "d"),
+    }
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(ModuleNotFoundError, match=rf"^{method}: .*pip install numpy"):
+            calls[method]()
+    assert [str(w.message) for w in warned] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint"])
+def test_a_call_that_fails_still_says_backend_is_deprecated(tmp_path, method):
+    """The deprecation of ``backend=`` is said as the call starts, so a call that then
+    fails (no checkpoint at the path, a path that is a file) says it too. Kills: the
+    warning given only after the work succeeded."""
+    (tmp_path / "file").write_text("not a checkpoint")
+    with pytest.warns(DeprecationWarning, match=rf"{method}\(backend=\.\.\.\) is deprecated"):
+        with pytest.raises((ValueError, FileNotFoundError, CheckpointError)):
+            if method == "save_checkpoint":
+                save_checkpoint(tmp_path / "file", {"t": filled(4)}, backend="numba")
+            else:
+                load_checkpoint(
+                    tmp_path / "missing", {"t": KVStore(6, optimizer_state_dim=2)}, backend="numba"
+                )
