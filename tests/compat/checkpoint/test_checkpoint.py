@@ -658,7 +658,8 @@ def test_without_numpy_a_checkpoint_call_refuses_before_anything_else(tmp_path, 
         "load_checkpoint": lambda: leanstate.load_checkpoint(
             tmp_path / "c", {"t": KVStore(4)}, backend="numba"
         ),
-        "compact_checkpoint": lambda: leanstate.compact_checkpoint(tmp_path / "c", tmp_path / "d"),
+        # a src that is no path: the missing numpy is still what it says first
+        "compact_checkpoint": lambda: leanstate.compact_checkpoint(42, tmp_path / "d"),
     }
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from leanstate import _backends
 from leanstate.checkpoint import _chain as _checkpoint_chain
 from leanstate.checkpoint import compact_checkpoint, last_load_stats, load_checkpoint, save_checkpoint
+from leanstate.checkpoint.core import BucketedTable
 from leanstate.kv_store import KVStore
 from leanstate.reference import delta_checkpoint as textbook
 from leanstate.reference.checkpoint import CheckpointError
-from tests.harness import FakeClock, files_opened, kill_during
+from tests.harness import FakeClock, files_opened, kill_during, one_rank_group
 
 BACKENDS = ["reference", "numba", "torch"]
 DIM, STATE = 6, 2
@@ -59,18 +60,43 @@ def manifests_read(opened: list[str]) -> dict[str, int]:
     return {name: names.count(name) for name in names}
 
 
-def test_a_chain_load_reads_each_links_manifest_once(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_chain_load_reads_each_links_manifest_once(tmp_path, version):
+    """Version 2 too, loaded by one process into plain stores."""
     store = new_store()
     base = None
-    for link in range(3):
-        store.set(torch.arange(link, 40, 3), torch.full((len(range(link, 40, 3)), DIM), float(link)))
-        save_checkpoint(tmp_path / f"l{link}", {"t": store}, base=base)
-        base = tmp_path / f"l{link}"
+    with one_rank_group() as group:
+        for link in range(3):
+            store.set(torch.arange(link, 40, 3), torch.full((len(range(link, 40, 3)), DIM), float(link)))
+            tables = {"t": store} if version == 1 else {"t": BucketedTable(store, 4, None)}
+            options = {} if version == 1 else {"process_group": group}
+            save_checkpoint(tmp_path / f"l{link}", tables, base=base, **options)
+            base = tmp_path / f"l{link}"
     fresh = new_store()
     with files_opened() as opened:
         load_checkpoint(base, {"t": fresh})
     assert manifests_read(opened) == {"l0": 1, "l1": 1, "l2": 1}
     assert_same(fresh, store)
+
+
+def test_a_load_refused_before_it_reads_records_nothing_read(tmp_path):
+    """After a load that read rows, one refused at once (id_range with process_group) leaves
+    last_load_stats all zero, not the previous load's. Kills: the record reset after that
+    refusal can happen."""
+    store = new_store()
+    store.set(torch.arange(20), torch.ones(20, DIM))
+    save_checkpoint(tmp_path / "c", {"t": store})
+    load_checkpoint(tmp_path / "c", {"t": new_store()})
+    assert last_load_stats["rows_loaded"] == 20
+    with one_rank_group() as group:
+        with pytest.raises(ValueError, match="id_range and process_group exclude each other"):
+            load_checkpoint(
+                tmp_path / "c",
+                {"t": BucketedTable(new_store(), 4, None)},
+                id_range=(0, 5),
+                process_group=group,
+            )
+    assert last_load_stats == {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
 
 
 def test_every_load_returns_its_statistics_and_records_the_last(tmp_path):
@@ -521,7 +547,10 @@ def test_a_table_missing_from_a_link_below_is_named(chain):
 def test_a_chain_longer_than_the_limit_is_refused(chain, monkeypatch):
     folder, store = chain
     monkeypatch.setattr(_checkpoint_chain, "MAX_CHAIN_LINKS", 2)
-    with pytest.raises(CheckpointError, match="more than 2 links"):
+    # named at the link that would be the third (kills: naming the link before it)
+    with pytest.raises(
+        CheckpointError, match=r"d1[/\\]manifest\.json: the chain from .* has more than 2 links"
+    ):
         load_checkpoint(folder / "d2", {"t": new_store()})
     monkeypatch.setattr(_checkpoint_chain, "MAX_CHAIN_LINKS", 3)
     fresh = new_store()
