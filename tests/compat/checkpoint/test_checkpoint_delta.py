@@ -480,6 +480,10 @@ def removed_out_of_order(folder):
     rewrite_removed(folder / "d2", [6, 9, 7])  # first and last agree with the manifest
 
 
+def removed_range_misstated(folder):
+    edit_manifest(folder / "d2", lambda m: m["tables"]["t"]["removed"].update(min_id=5))  # holds 6, 7
+
+
 def removed_and_written(folder):
     rewrite_removed(folder / "d2", [3, 6, 7])  # 3 is also a row of d2
 
@@ -514,6 +518,7 @@ FAULTS = {
     corrupt_removed: r"d2/t.removed fails its crc32c check",
     truncated_removed: r"d1/t.removed has \d+ bytes",
     removed_out_of_order: "do not strictly ascend",
+    removed_range_misstated: r"d2/t.removed holds ids 6..7, the manifest says",
     removed_and_written: "removed and also a row of the same delta",
     cycle: "a cycle",
     absolute_base: "base.path must be a non-empty relative path",
