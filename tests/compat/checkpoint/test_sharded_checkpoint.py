@@ -215,3 +215,44 @@ def test_a_load_that_fails_before_reading_reports_nothing_read(saved, group):
             process_group=group,
         )
     assert last_load_stats == {"bytes_read": 0, "chunks_read": 0, "rows_loaded": 0}
+
+
+def test_across_ranks_a_bad_table_name_or_base_is_refused_before_any_file(tmp_path, group):
+    """Version 2 holds a table's name to the rules version 1 does (a plain file name), and
+    refuses a base that is not a path. Kills: the names' rules or the base's type left out."""
+    store = filled()
+    with pytest.raises(ValueError, match="table name"):
+        save_checkpoint(
+            tmp_path / "c", {"../t": BucketedTable(store, BUCKETS, BUCKET_SIZE)}, process_group=group
+        )
+    with pytest.raises(TypeError, match="base must be the path of a checkpoint"):
+        save_checkpoint(tmp_path / "c", table_of(store), process_group=group, base=42)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_across_ranks_yields_each_chunk_once_then_checks_the_extra_state(tmp_path, group, monkeypatch):
+    """verify_sharded yields (table, file, chunk) once per chunk, after the chunk passed,
+    however many slices it is read in, and checks the extra state after the chunks. Kills:
+    a yield per slice (before its chunk's CRC is known), the extra state checked first."""
+    from leanstate.checkpoint import sharded
+
+    store = filled()
+    path = tmp_path / "v2"
+    save_checkpoint(
+        path, table_of(store), extra={"step": 3}, process_group=group, chunk_bytes=10 * store.layout.row_bytes
+    )
+    chunks = [
+        (f["file"], i)
+        for f in json.loads((path / "manifest.json").read_text())["tables"]["t"]["files"]
+        for i in range(len(f["chunks"]))
+    ]
+    monkeypatch.setattr(sharded, "SLICE_BYTES", 3 * store.layout.row_bytes)  # several slices a chunk
+    assert [(file, i) for _, file, i in sharded.verify_sharded(path)] == chunks
+    data = bytearray((path / "extra.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "extra.pt").write_bytes(bytes(data))
+    seen = []
+    with pytest.raises(CheckpointError, match="extra"):
+        for _, file, i in sharded.verify_sharded(path):
+            seen.append((file, i))
+    assert seen == chunks
