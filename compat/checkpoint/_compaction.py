@@ -19,10 +19,10 @@ from leanstate._numpy import np
 from leanstate.checkpoint._bucketed_table import BucketedTable, describe_bucketing
 from leanstate.checkpoint._chain import chain_extra, chain_parts, check_outside_chain, read_chain
 from leanstate.checkpoint._chunks import ChunkFile, buckets_of, rows_per_chunk
-from leanstate.checkpoint._files import checked_target, publish, read_extra_bytes, staged, write_extra
+from leanstate.checkpoint._files import checked_target, read_extra_bytes, staged
 from leanstate.checkpoint._format import DTYPES, FORMAT_NAME, FORMAT_VERSION, table_entry
 from leanstate.checkpoint._merge import LinkTable, merged
-from leanstate.checkpoint._writer import new_manifest, sharded_table_entry
+from leanstate.checkpoint._writer import new_manifest, publish_manifest, sharded_table_entry
 from leanstate.checkpoint.sharded import link_table
 from leanstate.reference.checkpoint_manifest import CheckpointError
 from leanstate.reference.row_format import RowLayout
@@ -58,9 +58,7 @@ def compact(src: Path, dst: Path, *, chunk_bytes: int, overwrite: bool, method: 
             file = staging / f"{name}.rows"
             chunks = write_merge(file, layout, table_parts, chunk_bytes)
             manifest["tables"][name] = table_entry(layout, file, chunks)
-        if extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, extra_bytes)
-        publish(staging, dst, manifest=manifest)
+        publish_manifest(staging, dst, manifest, extra_bytes)
     return dst
 
 
@@ -166,7 +164,5 @@ def compact_sharded(links: list, dst: Path, *, chunk_bytes: int, method: str) ->
                     }
                 )
             manifest["tables"][name] = sharded_table_entry(layout, bucketing, written)
-        if extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, extra_bytes)
-        publish(staging, dst, manifest=manifest)
+        publish_manifest(staging, dst, manifest, extra_bytes)
     return dst

@@ -81,6 +81,16 @@ def write_checkpoint(
     return path
 
 
+def publish_manifest(staging: Path, path: Path, manifest: dict, extra_bytes: bytes | None) -> str:
+    """The extra state (if any) into ``staging``, then ``manifest`` last and the rename to
+    ``path``; the SHA-256 of the manifest's bytes (what a save's change marks name)."""
+    if extra_bytes is not None:
+        manifest["extra"] = write_extra(staging, extra_bytes)
+    data = json.dumps(manifest, indent=1).encode()
+    publish(staging, path, manifest=data)
+    return hashlib.sha256(data).hexdigest()
+
+
 def _gone(removed: torch.Tensor, dropped: list[torch.Tensor]) -> torch.Tensor:
     """A delta's removed ids: those removed since the mark and those deleted while saving,
     each once, ascending."""
@@ -141,11 +151,7 @@ class OneProcess:
             "views": self.views,
             "extra": None,
         }
-        if self.extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, self.extra_bytes)
-        data = json.dumps(manifest, indent=1).encode()
-        publish(staging, path, manifest=data)
-        return hashlib.sha256(data).hexdigest()
+        return publish_manifest(staging, path, manifest, self.extra_bytes)
 
 
 class AcrossRanks:
@@ -232,11 +238,7 @@ class AcrossRanks:
             manifest["tables"][name] = sharded_table_entry(
                 table.store.layout, bucketing, [entries[name] for entries in by_rank]
             )
-        if self._extra_bytes is not None:
-            manifest["extra"] = write_extra(staging, self._extra_bytes)
-        data = json.dumps(manifest, indent=1).encode()
-        publish(staging, path, manifest=data)
-        return hashlib.sha256(data).hexdigest()
+        return publish_manifest(staging, path, manifest, self._extra_bytes)
 
 
 def new_manifest(world: int, delta: dict | None = None) -> dict:
